@@ -1,0 +1,265 @@
+"""Engine arguments with vLLM's names, validated into frozen configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "dummy")
+_DEVICES = ("auto", "cpu", "cuda")
+_EXECUTORS = ("mp", "uni")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    seed: int
+    load_format: str
+    hf_config: dict[str, Any]  # config.json as a plain dict
+    eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
+    skip_tokenizer_init: bool = False
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or [""]
+        return archs[0]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = self.hf_config.get("head_dim")
+        return int(hd) if hd else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None  # a fixed KV budget (the CPU default); None: profile
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
+    async_scheduling: bool
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    distributed_executor_backend: str  # "mp": worker processes; "uni": in-process (tests)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # resolved: cpu | cuda
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    eos: Any = None
+    if os.path.isfile(gen_path):
+        eos = _read_json(gen_path).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine, with vLLM's argument names and defaults."""
+
+    model: str = ""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    device: str = "auto"
+    skip_tokenizer_init: bool = False
+    async_scheduling: bool = True
+    distributed_executor_backend: str = "mp"
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a directory with config.json")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.distributed_executor_backend not in _EXECUTORS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {_EXECUTORS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Read the model directory and resolve every default into frozen configs."""
+        config_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model: no config.json in {self.model!r}")
+        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        device = _resolve_device(self.device)
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but no CUDA device is available")
+
+        dtype = self.dtype
+        if dtype == "auto":
+            torch_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+            dtype = "float32" if device == "cpu" else torch_dtype
+            if dtype not in _DTYPES[1:]:
+                dtype = "bfloat16"
+
+        derived_max = int(hf_config.get("max_position_embeddings") or 2048)
+        max_model_len = self.max_model_len or derived_max
+        if max_model_len > derived_max:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({derived_max})"
+            )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                f"({max_model_len}) when enable_chunked_prefill is False"
+            )
+        model_cfg = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            load_format=self.load_format,
+            hf_config=hf_config,
+            eos_token_ids=_eos_ids(self.model, hf_config),
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        tp = self.tensor_parallel_size
+        if model_cfg.num_attention_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must divide num_attention_heads "
+                f"({model_cfg.num_attention_heads})"
+            )
+        kv_heads = model_cfg.num_kv_heads
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
+                "one another"
+            )
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
+            kv_bytes = int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GIB", "1")) * (1 << 30))
+        return EngineConfig(
+            model=model_cfg,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=kv_bytes,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_model_len=max_model_len,
+                async_scheduling=self.async_scheduling,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tp,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]

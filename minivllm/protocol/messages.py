@@ -1,0 +1,170 @@
+"""Wire types between frontend, engine-core and workers.
+
+Every message is a msgspec Struct; `serial.py` tags each with a one-byte type and decodes it
+into exactly the declared type, so nothing on any socket is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from minivllm.protocol.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; `str()` gives vLLM's spelling."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # cancelled by the client or the engine
+    ERROR = 3  # the request itself failed (the engine lives on)
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+# ---------------------------------------------------------------- frontend ⇄ engine-core
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized, validated request. `request_id` is the engine-internal unique id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    client_id: int = 0  # filled in by the engine-core from the sending socket
+
+
+class Abort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Abort these engine-internal request ids (unknown or finished ids are ignored)."""
+
+    request_ids: list[str]
+
+
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "health", "shutdown")
+
+
+class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Call one method of a fixed allow-list (`UTILITY_METHODS`) on the engine-core."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The reply to one `UtilityCall`; `error` is set instead of `result` when it failed."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What happened to one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set with finish_reason=ERROR
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A snapshot of the scheduler after one step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
+    num_preemptions: int = 0  # cumulative
+    step_counter: int = 0
+    num_generated_tokens: int = 0  # cumulative
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One batch of outputs sent to one client: a step's outputs, or a utility reply."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    utility_result: UtilityResult | None = None
+    timestamp: float = 0.0
+    engine_dead: str | None = None  # set on the last message of an engine that is dying
+
+
+class Handshake(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Exchanged once when a client (or worker) attaches: who is there and how to talk to it."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    role: str = ""  # "client", "engine-core" or "worker"
+    client_id: int = 0
+    model: str = ""
+    tokenizer: str = ""
+    max_model_len: int = 0
+    input_address: str = ""
+    output_address: str = ""
+    rank: int = 0
+    pid: int = 0
+    num_gpu_blocks: int = 0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- engine-core ⇄ workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen (or are seeing again after preemption), in full."""
+
+    req_id: str
+    token_ids: list[int]  # prompt, plus the output so far when resumed after preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hits)
+    sample_seed: int = 0  # base seed of this request's generator (derived if the user gave none)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Requests the workers already hold, as diffs, one list entry per request."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []  # blocks appended since the last step
+    num_computed_tokens: list[int] = []  # tokens with KV before this step
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step of work for every worker rank."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = CachedRequestData()
+    num_scheduled_tokens: dict[str, int] = {}  # req_id -> tokens to run this step
+    total_num_scheduled_tokens: int = 0
+    # requests the workers must forget: finished, aborted or preempted since the last step
+    finished_req_ids: list[str] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Rank 0's answer to one `SchedulerOutput`."""
+
+    step_id: int
+    req_ids: list[str] = []
+    # one list per request: the sampled ids, empty for a prefill chunk that samples nothing
+    sampled_token_ids: list[list[int]] = []
+    error: str | None = None  # the step failed; the engine turns this into a dead engine
+
+
+class WorkerControl(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Out-of-band orders from the engine-core to its workers."""
+
+    command: str  # "shutdown" | "profile" | "reset"
+    args: list[Any] = []
