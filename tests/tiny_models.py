@@ -1,0 +1,115 @@
+"""Tiny random HF checkpoints (config + safetensors + tokenizer) built locally for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB_SIZE = 384
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Engines schedule requests, run the model, and stream tokens back to clients.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000, and symbols like #, $, %, & and @.",
+    "Once upon a time there was a tiny language model that generated random text.",
+]
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: str) -> None:
+    """Train a small byte-level BPE tokenizer and save it in HF format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 8,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+_ARCHS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def build_checkpoint(
+    out_dir: str,
+    arch: str = "qwen3",
+    *,
+    tie_word_embeddings: bool = True,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    max_shard_size: str | None = None,
+    eos_token_ids: list[int] | None = None,
+    seed: int = 0,
+) -> str:
+    """Save a random tiny model of `arch` (plus tokenizer and generation config) to out_dir."""
+    import transformers
+
+    config_cls_name, model_cls_name = _ARCHS[arch]
+    config_cls = getattr(transformers, config_cls_name)
+    model_cls = getattr(transformers, model_cls_name)
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    if arch in ("qwen3", "llama", "mistral"):
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = config_cls(**kwargs)
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        # larger-than-default weights so greedy decoding is not a constant token
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    os.makedirs(out_dir, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
+    build_tokenizer(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos_token_ids if eos_token_ids is not None else [0]}, f)
+    return out_dir
