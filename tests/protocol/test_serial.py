@@ -1,0 +1,232 @@
+"""Every wire message survives a round trip; nothing else decodes, and nothing executes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+
+import msgspec
+import pytest
+
+from minivllm.protocol.messages import (
+    Abort,
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Handshake,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+    WorkerControl,
+)
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.serial import (
+    CORE_TO_FRONTEND,
+    CORE_TO_WORKER,
+    FRONTEND_TO_CORE,
+    TAGS,
+    WORKER_TO_CORE,
+    MsgDecoder,
+    MsgEncoder,
+    ProtocolError,
+)
+
+ALL_TYPES = tuple(TAGS)
+LONG_PROMPT = list(range(100_000, 105_000))
+
+
+def _new_req(i: int, token_ids: list[int]) -> NewRequestData:
+    return NewRequestData(
+        req_id=f"req-{i}",
+        token_ids=token_ids,
+        num_prompt_tokens=len(token_ids),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"]),
+        block_ids=list(range(i, i + len(token_ids) // 16 + 1)),
+        num_computed_tokens=16,
+        sample_seed=1234 + i,
+    )
+
+
+def sample_messages() -> list[msgspec.Struct]:
+    """One or more instances of every registered type, defaults and non-defaults."""
+    sp = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, seed=7, stop_token_ids=[2])
+    return [
+        EngineCoreRequest("r1", [1, 2, 3], sp, eos_token_ids=[2], arrival_time=1.5, client_id=3),
+        EngineCoreRequest("r-long", LONG_PROMPT, SamplingParams()),
+        Abort(["r1", "r2"]),
+        UtilityCall(7, "stats"),
+        UtilityCall(8, "reset_prefix_cache", [1, "x", None]),
+        UtilityResult(7, {"num_running": 3, "ratio": 0.5}),
+        UtilityResult(8, error="boom"),
+        EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput("r1", [5, 6]),
+                EngineCoreOutput("r2", [9], FinishReason.STOP, stop_reason=2, num_cached_tokens=16),
+                EngineCoreOutput("r3", [], FinishReason.ERROR, error="bad"),
+            ],
+            scheduler_stats=SchedulerStats(num_running=2, kv_cache_usage=0.25, step_counter=9),
+            timestamp=123.25,
+        ),
+        EngineCoreOutputs(utility_result=UtilityResult(1, True)),
+        EngineCoreOutputs(engine_dead="worker 0 exited with code -9"),
+        Handshake(role="client", client_id=4, model="m", max_model_len=4096, pid=os.getpid()),
+        SchedulerOutput(
+            step_id=42,
+            scheduled_new_reqs=[_new_req(0, [1, 2, 3]), _new_req(1, LONG_PROMPT), _new_req(2, [])],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=["a", "b"], new_block_ids=[[7], []], num_computed_tokens=[100, 31]
+            ),
+            num_scheduled_tokens={"req-0": 3, "req-1": 512, "a": 1, "b": 1},
+            total_num_scheduled_tokens=517,
+            finished_req_ids=["z"],
+        ),
+        SchedulerOutput(step_id=0),
+        ModelRunnerOutput(3, ["a", "b"], [[11], []]),
+        ModelRunnerOutput(4, error="CUDA error: out of memory"),
+        WorkerControl("shutdown"),
+        WorkerControl("profile", ["start"]),
+    ]
+
+
+@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg: msgspec.Struct) -> None:
+    frames = MsgEncoder().encode(msg)
+    decoded = MsgDecoder(ALL_TYPES).decode([bytes(f) for f in frames])
+    assert type(decoded) is type(msg)
+    assert decoded == msg
+
+
+def test_every_type_round_trips() -> None:
+    assert {type(m) for m in sample_messages()} == set(ALL_TYPES)
+
+
+def test_long_token_ids_travel_as_extra_frames() -> None:
+    msg = next(m for m in sample_messages() if isinstance(m, SchedulerOutput))
+    frames = MsgEncoder().encode(msg)
+    # head, slot table, one int32 frame for the 5,000-token prompt only
+    assert len(frames) == 3
+    assert memoryview(frames[2]).nbytes == 4 * len(LONG_PROMPT)
+    assert len(frames[0]) < 1000
+    assert msg.scheduled_new_reqs[1].token_ids == LONG_PROMPT  # the caller's copy is intact
+    assert MsgDecoder(CORE_TO_WORKER).decode(frames) == msg
+
+    inline = MsgEncoder(aux_threshold=None).encode(msg)
+    assert len(inline) == 1
+    assert MsgDecoder(CORE_TO_WORKER).decode(inline) == msg
+
+
+def test_ids_outside_int32_stay_inline() -> None:
+    msg = EngineCoreRequest("r", [2**40] * 300, SamplingParams())
+    frames = MsgEncoder().encode(msg)
+    assert len(frames) == 1
+    assert MsgDecoder(FRONTEND_TO_CORE).decode(frames) == msg
+
+
+@pytest.mark.parametrize(
+    ("allowed", "msg"),
+    [
+        (FRONTEND_TO_CORE, EngineCoreOutputs()),
+        (CORE_TO_FRONTEND, EngineCoreRequest("r", [1], SamplingParams())),
+        (CORE_TO_WORKER, ModelRunnerOutput(1)),
+        (WORKER_TO_CORE, SchedulerOutput(1)),
+        (WORKER_TO_CORE, WorkerControl("shutdown")),
+    ],
+)
+def test_type_not_allowed_on_socket(allowed: tuple[type, ...], msg: msgspec.Struct) -> None:
+    with pytest.raises(ProtocolError, match="not allowed"):
+        MsgDecoder(allowed).decode(MsgEncoder().encode(msg))
+
+
+class _WritesMarker:
+    """Unpickling this would create the marker file: proof that something executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_pickle_payload_never_executes(tmp_path, protocol: int) -> None:
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_WritesMarker(str(marker)), protocol=protocol)
+    attempts = [[payload]]
+    # also behind every valid tag, and as an id frame after a valid head
+    attempts += [[tag + payload] for tag in TAGS.values()]
+    head = MsgEncoder().encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
+    attempts += [[head[0], payload, payload], [head[0], head[1], payload]]
+    decoders = [MsgDecoder(a) for a in (FRONTEND_TO_CORE, CORE_TO_FRONTEND, CORE_TO_WORKER)]
+    decoders += [MsgDecoder(WORKER_TO_CORE), MsgDecoder(ALL_TYPES)]
+    for decoder in decoders:
+        for frames in attempts:
+            with pytest.raises(ProtocolError):
+                decoder.decode(frames)
+    assert not marker.exists()
+
+
+def _mutations(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    """One random corruption: flipped bytes, truncation, extension, dropped or extra frames."""
+    frames = list(frames)
+    i = rng.randrange(len(frames))
+    f = bytearray(frames[i])
+    kind = rng.randrange(5)
+    if kind == 0 and len(f) > 1:
+        for _ in range(rng.randint(1, 4)):
+            f[rng.randrange(1, len(f))] = rng.randrange(256)
+    elif kind == 1:
+        f = f[: rng.randrange(len(f) + 1)]
+    elif kind == 2:
+        f += rng.randbytes(rng.randint(1, 8))
+    elif kind == 3 and len(frames) > 1:
+        del frames[rng.randrange(1, len(frames))]
+        return frames
+    else:
+        frames.append(rng.randbytes(rng.randint(0, 16)))
+    frames[i] = bytes(f)
+    return frames
+
+
+def test_garbage_only_ever_raises_protocol_error() -> None:
+    rng = random.Random(1234)
+    decoder = MsgDecoder(ALL_TYPES)
+    encoded = [[bytes(f) for f in MsgEncoder().encode(m)] for m in sample_messages()]
+    for case in range(1500):
+        if case % 3 == 0:  # pure noise, often behind a valid tag
+            tag = rng.choice([*TAGS.values(), b""])
+            frames = [tag + rng.randbytes(rng.randint(0, 64))]
+            frames += [rng.randbytes(rng.randint(0, 8)) for _ in range(rng.randrange(3))]
+        else:
+            frames = _mutations(rng, rng.choice(encoded))
+        try:
+            msg = decoder.decode(frames)
+        except ProtocolError:
+            continue
+        # A corruption may still be a valid message: then it is of a registered type.
+        assert type(msg) in TAGS
+
+
+def test_empty_and_unknown() -> None:
+    decoder = MsgDecoder(ALL_TYPES)
+    for frames in ([], [b""], [b"\x00"], [b"Z\x90"], [memoryview(b"")]):
+        with pytest.raises(ProtocolError):
+            decoder.decode(frames)
+
+
+def test_missing_id_frame() -> None:
+    frames = MsgEncoder().encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
+    with pytest.raises(ProtocolError, match="slots"):
+        MsgDecoder(FRONTEND_TO_CORE).decode(frames[:2])
+
+
+def test_unregistered_type_is_refused() -> None:
+    with pytest.raises(TypeError):
+        MsgEncoder().encode(SamplingParams())
+    with pytest.raises(TypeError):
+        MsgDecoder((SamplingParams,))
