@@ -1,0 +1,152 @@
+"""ZMQ sockets for the frontend ⇄ engine-core ⇄ worker links: addresses, options, send/recv.
+
+Sockets are created here with the same options everywhere: unbounded high-water marks (a
+message ZMQ accepted is never dropped), a bounded linger (closing never hangs for long) and
+IPv6 when the address needs it. ROUTER sockets prefix every message with the peer's
+identity frame; `send_to`/`recv_from` add and strip it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+# Closing a socket waits at most this long for queued messages (a final "engine dead"
+# frame still gets out); shutdown paths pass linger=0 to `close_socket`.
+DEFAULT_LINGER_MS = 1000
+# sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS), including the NUL.
+_MAX_IPC_PATH = 103
+
+Frames = Sequence[Any]  # bytes, bytearray, memoryview or zmq.Frame
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def make_ipc_dir(prefix: str = "minivllm-") -> str:
+    """Create a private (mode 0700) directory for one engine's ipc:// sockets.
+
+    Remove it with `cleanup_ipc(path)` when the engine closes. Falls back to /tmp when
+    $TMPDIR is too long to hold socket paths.
+    """
+    base = tempfile.gettempdir()
+    if len(base) > _MAX_IPC_PATH - 40:
+        base = "/tmp"
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)  # mkdtemp creates it 0700
+    os.chmod(path, 0o700)  # in case a umask or filesystem widened it
+    return path
+
+
+def ipc_address(ipc_dir: str, name: str) -> str:
+    """`ipc://<ipc_dir>/<name>`; raises ValueError if the path is too long for a socket."""
+    path = os.path.join(ipc_dir, name)
+    if len(path.encode()) > _MAX_IPC_PATH:
+        raise ValueError(f"ipc socket path too long ({len(path)} > {_MAX_IPC_PATH} bytes): {path}")
+    return f"ipc://{path}"
+
+
+def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:
+    """`tcp://host:port`, with brackets for IPv6 hosts. Port 0: the OS picks one at bind."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def cleanup_ipc(ipc_dir: str) -> None:
+    """Remove the socket files in `ipc_dir` and the directory itself; missing is fine."""
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- sockets
+
+
+def _new_socket(ctx: zmq.Context, socket_type: int, address: str) -> zmq.Socket:
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, DEFAULT_LINGER_MS)
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    if socket_type == zmq.ROUTER:
+        # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def bind_socket(ctx: zmq.Context, socket_type: int, address: str) -> tuple[zmq.Socket, str]:
+    """Create a socket bound to `address`; returns it and the real address (tcp port 0
+    becomes the chosen port). Works with `zmq.asyncio.Context` too."""
+    sock = _new_socket(ctx, socket_type, address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, bound.decode() if isinstance(bound, bytes) else bound
+
+
+def connect_socket(
+    ctx: zmq.Context, socket_type: int, address: str, identity: bytes | None = None
+) -> zmq.Socket:
+    """Create a socket connected to `address`. `identity` names a DEALER to its ROUTER peer
+    (it must be unique among that ROUTER's peers)."""
+    sock = _new_socket(ctx, socket_type, address)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(address)
+    return sock
+
+
+def close_socket(sock: zmq.Socket, linger: int | None = None) -> None:
+    """Close `sock`; `linger=0` drops unsent messages (shutdown paths), None keeps the
+    socket's own bounded linger."""
+    sock.close(linger=linger)
+
+
+# ---------------------------------------------------------------- send / recv
+
+
+def send_msg(sock: zmq.Socket, frames: Frames, copy: bool = False) -> None:
+    """Send one multipart message. With copy=False the frames must not be mutated afterwards
+    (ZMQ still copies frames under `zmq.COPY_THRESHOLD` bytes, where that is cheaper)."""
+    sock.send_multipart(frames, copy=copy)
+
+
+def recv_msg(sock: zmq.Socket, timeout_ms: int | None = None) -> list[memoryview] | None:
+    """Receive one multipart message as memoryviews over ZMQ's buffers (no copy), or None
+    if nothing arrived within `timeout_ms` (None waits forever)."""
+    if timeout_ms is not None and not sock.poll(timeout_ms, zmq.POLLIN):
+        return None
+    return [frame.buffer for frame in sock.recv_multipart(copy=False)]
+
+
+def send_to(sock: zmq.Socket, identity: bytes, frames: Frames, copy: bool = False) -> None:
+    """Send `frames` from a ROUTER socket to the peer named `identity`."""
+    sock.send_multipart([identity, *frames], copy=copy)
+
+
+def recv_from(
+    sock: zmq.Socket, timeout_ms: int | None = None
+) -> tuple[bytes, list[memoryview]] | None:
+    """Receive on a ROUTER socket: (peer identity, frames), or None on timeout."""
+    frames = recv_msg(sock, timeout_ms)
+    if frames is None:
+        return None
+    return frames[0].tobytes(), frames[1:]  # ROUTER always prepends the identity frame
+
+
+async def send_msg_async(sock: zmq.asyncio.Socket, frames: Frames, copy: bool = False) -> None:
+    """`send_msg` for asyncio sockets (the frontend)."""
+    await sock.send_multipart(frames, copy=copy)
+
+
+async def recv_msg_async(sock: zmq.asyncio.Socket) -> list[memoryview]:
+    """`recv_msg` for asyncio sockets; wrap in `asyncio.wait_for` for a timeout."""
+    return [frame.buffer for frame in await sock.recv_multipart(copy=False)]

@@ -1,0 +1,140 @@
+"""Sockets round-trip typed messages over ipc:// and tcp://, and ROUTER replies reach their peer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from minivllm.protocol.messages import Abort, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.serial import CORE_TO_FRONTEND, FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
+from minivllm.protocol.transport import (
+    bind_socket,
+    cleanup_ipc,
+    close_socket,
+    connect_socket,
+    ipc_address,
+    make_ipc_dir,
+    recv_from,
+    recv_msg,
+    recv_msg_async,
+    send_msg,
+    send_msg_async,
+    send_to,
+    tcp_address,
+)
+
+TIMEOUT_MS = 5000
+
+
+@pytest.fixture
+def ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def ipc_dir():
+    path = make_ipc_dir()
+    yield path
+    cleanup_ipc(path)
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def address(request, ipc_dir: str) -> str:
+    return ipc_address(ipc_dir, "input") if request.param == "ipc" else tcp_address()
+
+
+def test_ipc_dir_is_private_and_removed() -> None:
+    path = make_ipc_dir()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    open(os.path.join(path, "stale.sock"), "w").close()
+    cleanup_ipc(path)
+    assert not os.path.exists(path)
+    cleanup_ipc(path)  # twice is fine
+
+
+def test_addresses() -> None:
+    assert tcp_address() == "tcp://127.0.0.1:0"
+    assert tcp_address("::1", 5555) == "tcp://[::1]:5555"
+    assert ipc_address("/tmp/x", "in") == "ipc:///tmp/x/in"
+    with pytest.raises(ValueError, match="too long"):
+        ipc_address("/tmp/" + "d" * 200, "in")
+
+
+def test_tcp_port_zero_returns_real_port(ctx: zmq.Context) -> None:
+    sock, bound = bind_socket(ctx, zmq.PULL, tcp_address())
+    try:
+        assert bound.startswith("tcp://127.0.0.1:")
+        assert int(bound.rsplit(":", 1)[1]) > 0
+    finally:
+        close_socket(sock, linger=0)
+
+
+def test_push_pull_round_trip(ctx: zmq.Context, address: str) -> None:
+    pull, bound = bind_socket(ctx, zmq.PULL, address)
+    push = connect_socket(ctx, zmq.PUSH, bound)
+    msgs = [
+        EngineCoreRequest("r1", list(range(5000)), SamplingParams(max_tokens=3)),  # id frame
+        Abort(["r1"]),
+    ]
+    try:
+        for msg in msgs:
+            send_msg(push, MsgEncoder().encode(msg))
+        decoder = MsgDecoder(FRONTEND_TO_CORE)
+        got = [decoder.decode(recv_msg(pull, TIMEOUT_MS)) for _ in msgs]
+        assert got == msgs
+        assert recv_msg(pull, timeout_ms=10) is None
+    finally:
+        close_socket(push, linger=0)
+        close_socket(pull, linger=0)
+
+
+def test_router_dealer_routes_by_identity(ctx: zmq.Context, address: str) -> None:
+    router, bound = bind_socket(ctx, zmq.ROUTER, address)
+    clients = {ident: connect_socket(ctx, zmq.DEALER, bound, ident) for ident in (b"c0", b"c1")}
+    encoder, core_decoder = MsgEncoder(), MsgDecoder(FRONTEND_TO_CORE)
+    client_decoder = MsgDecoder(CORE_TO_FRONTEND)
+    try:
+        for ident, sock in clients.items():
+            req = EngineCoreRequest(f"req-{ident.decode()}", [1, 2], SamplingParams())
+            send_msg(sock, encoder.encode(req))
+        for _ in clients:
+            identity, frames = recv_from(router, TIMEOUT_MS)
+            req = core_decoder.decode(frames)
+            assert req.request_id == f"req-{identity.decode()}"
+            out = EngineCoreOutputs([EngineCoreOutput(req.request_id, [7])])
+            send_to(router, identity, encoder.encode(out))
+        for ident, sock in clients.items():
+            outs = client_decoder.decode(recv_msg(sock, TIMEOUT_MS))
+            assert outs.outputs[0].request_id == f"req-{ident.decode()}"
+        # A peer that never connected is an error, not a silent drop.
+        with pytest.raises(zmq.ZMQError):
+            send_to(router, b"nobody", encoder.encode(EngineCoreOutputs()))
+    finally:
+        for sock in (*clients.values(), router):
+            close_socket(sock, linger=0)
+
+
+def test_asyncio_sockets(ipc_dir: str) -> None:
+    async def main() -> None:
+        actx = zmq.asyncio.Context()
+        pull, bound = bind_socket(actx, zmq.PULL, ipc_address(ipc_dir, "out"))
+        push = connect_socket(actx, zmq.PUSH, bound)
+        try:
+            out = EngineCoreOutputs([EngineCoreOutput("r", [1, 2])], timestamp=1.0)
+            await send_msg_async(push, MsgEncoder().encode(out))
+            frames = await asyncio.wait_for(recv_msg_async(pull), TIMEOUT_MS / 1000)
+            assert MsgDecoder(CORE_TO_FRONTEND).decode(frames) == out
+        finally:
+            close_socket(push, linger=0)
+            close_socket(pull, linger=0)
+            actx.term()
+
+    asyncio.run(main())
