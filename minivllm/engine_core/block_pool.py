@@ -1,0 +1,160 @@
+"""Paged KV blocks: reference counts, an LRU free queue, and the prefix-cache hash map.
+
+Every block id in `0..num_blocks-1` is usable; none is reserved as a null block (workers
+pad block tables with any id and mask by sequence length, and padded tokens have slot -1).
+
+Cache contract: a block with `ref_cnt == 0` sits in the free queue but keeps its hash, so a
+later request with the same prefix can `touch` it back into use. Only when
+`get_new_blocks` pops it from the head of the queue is its hash evicted. Freed blocks go to
+the tail, so the least recently freed cached block is the first to be evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
+        self.prev: KVCacheBlock | None = None  # free-queue links, None when not queued
+        self.next: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels keep the link updates branch-free
+        self._tail = KVCacheBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next, block.prev = block, last
+        block.next, self._tail.prev = self._tail, block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev is None or block.next is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free_blocks -= 1
+
+    def block_ids(self) -> list[int]:
+        """Head (next to be evicted) to tail; for tests and debugging."""
+        ids, block = [], self._head.next
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next
+        return ids
+
+
+class BlockPool:
+    """All KV blocks of one engine and the map from block hash to cached block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take `n` free blocks, least recently freed first, evicting their cache entries."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks, only {self.num_free_blocks} are free")
+        blocks = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; unused blocks go to the queue tail in the order given.
+
+        Callers pass a request's blocks in reverse so that its last blocks, the least likely
+        to be shared, are evicted before its first ones.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register `blocks[num_cached_blocks:num_full_blocks]` under their hashes.
+
+        A hash that is already cached (another request computed the same block at the same
+        time) keeps its first block; the duplicate stays uncached and is freed normally.
+        """
+        if not self.enable_caching:
+            return
+        for i in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is not None or block_hash in self.cached_blocks:
+                continue
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,142 @@
+"""Per-request KV block tables on top of the block pool, with prefix caching.
+
+Prefix-cache contract:
+- A block is identified by a chained hash: sha256 over (parent block's hash, the token ids
+  of this FULL block). Equal hashes mean equal token prefixes, so equal KV. Partial blocks
+  are never cached. Hashes are kept on the request (`Request.block_hashes`) and extended
+  incrementally as tokens arrive.
+- `get_computed_blocks` finds the longest cached prefix of a request but never its whole
+  token list: the last token is always computed, because the step that computes it is the
+  one that samples the next token.
+- `allocate_slots` takes references on the hit blocks, allocates new ones, and caches every
+  block that becomes full with tokens whose KV the scheduled step computes.
+- `free` drops the request's references; cached blocks stay reusable until evicted (LRU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from minivllm.engine_core.block_pool import BlockPool, KVCacheBlock
+from minivllm.engine_core.request import Request
+
+_ROOT_HASH = b""
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.sha256(msgspec.msgpack.encode((parent_hash, token_ids))).digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of each request already hashed
+        # cumulative, in tokens, counted when a lookup is used by a successful allocation
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request`, as (blocks, number of tokens), at most
+        `num_tokens - 1` tokens. Takes no reference: pass the blocks to `allocate_slots`."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request, request.num_tokens)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
+        `get_computed_blocks` for a request that holds no blocks yet. Returns the ids of the
+        newly allocated blocks (hit blocks excluded), or None, changing nothing, when there
+        are not enough free blocks.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = max(
+            0, cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks)
+        )
+        # hit blocks nobody holds are in the free queue: touching them uses free blocks too
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+            return None
+
+        if request.request_id not in self.req_to_blocks:
+            self.req_to_blocks[request.request_id] = req_blocks
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # only tokens already known can be hashed (async: the last one may be pending)
+            num_known = min(num_total, request.num_tokens)
+            self._update_block_hashes(request, num_known)
+            num_full = num_known // self.block_size
+            num_cached = self.num_cached_blocks[request.request_id]
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(
+                    req_blocks, request.block_hashes, num_cached, num_full
+                )
+                self.num_cached_blocks[request.request_id] = num_full
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first (see `BlockPool.free_blocks`)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        hashes, size = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * size <= num_tokens:
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, tokens[start : start + size]))
