@@ -1,0 +1,303 @@
+"""V1 scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill and decode phases: every request is a number of tokens still to
+compute, and a step hands out at most `max_num_batched_tokens` of them (a long prompt is
+split across steps: chunked prefill). When KV blocks run out, the newest running request is
+preempted (its KV freed, to be recomputed later) and goes back to the front of the queue.
+
+Async scheduling: `schedule()` for step N+1 may run before `update_from_output()` for step
+N (at most one step in flight). A request's tokens are counted as
+`num_tokens + num_output_placeholders`, the placeholders being tokens that scheduled steps
+will sample, so the same code serves both orders.
+
+Outputs are returned grouped by client: `{client_id: [EngineCoreOutput, ...]}`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.engine_core.request import Request, RequestStatus
+from minivllm.protocol.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+ClientOutputs = dict[int, list[EngineCoreOutput]]
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        # a sequence never outgrows the whole cache, so a request alone always fits
+        self.max_len = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
+        self.requests: dict[str, Request] = {}  # unfinished ones
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # workers must forget these at the next step
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; `ValueError` if its prompt can never be scheduled."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if n > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: the prompt ({n} tokens) is longer than "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        num_blocks = self.kv_cache_manager.num_blocks
+        if cdiv(n, self.block_size) > num_blocks:
+            raise ValueError(
+                f"request {request.request_id}: the prompt ({n} tokens) needs "
+                f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "
+                f"(of {self.block_size} tokens each)"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        error: str | None = None,
+    ) -> ClientOutputs:
+        """End unfinished requests (abort, error); unknown or finished ids are ignored.
+
+        Returns one final output per request actually ended, for the caller to send or not
+        (a client that aborted already knows).
+        """
+        assert status.is_finished
+        outputs: ClientOutputs = {}
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                out = self._make_output(request, [])
+                out.error = error
+                outputs.setdefault(request.client_id, []).append(out)
+        return outputs
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            step_counter=self.step_id,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs = CachedRequestData()
+        new_reqs: list[Request] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while (new_block_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            cached_reqs.req_ids.append(request.request_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # a step that had to preempt has no room to spare for newcomers
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it has arrived
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            new_reqs.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=sorted(self.finished_req_ids),
+        )
+        self.finished_req_ids = set()
+        self.step_id += 1
+        for request_id, n in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1  # this step samples its next token
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> ClientOutputs:
+        """Append sampled tokens, apply stop rules, free finished requests.
+
+        Requests that ended while this step was in flight (aborted, or stopped by the
+        previous step) are gone from `self.requests`: their extra token is dropped.
+        """
+        outputs: ClientOutputs = {}
+        runner = model_runner_output
+        for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
+            request = self.requests.get(request_id)
+            if request is None or not sampled:
+                continue
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            new_token_ids = []
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                self.num_generated_tokens += 1
+                if self._check_stop(request):
+                    break
+            if request.is_finished:
+                self._finish(request, request.status)
+            out = self._make_output(request, new_token_ids)
+            outputs.setdefault(request.client_id, []).append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        num_pending = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if request.num_output_placeholders and (
+            num_pending >= self.max_len
+            or (
+                max_tokens is not None
+                and request.num_output_tokens + request.num_output_placeholders >= max_tokens
+            )
+        ):
+            return 0  # the token in flight ends it by length: nothing more to compute
+        num_new = num_pending - request.num_computed_tokens
+        return min(num_new, budget, self.max_len - request.num_computed_tokens)
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if last in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in request.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_tokens >= self.max_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)
+        self.num_preemptions += 1
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            sample_seed=request.sample_seed,
+        )
+
+    def _make_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        reason: FinishReason | None = request.status.finish_reason
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+        )
