@@ -1,0 +1,295 @@
+"""Triton paged attention: KV store, decode (optionally split-KV) and prefill kernels.
+
+Per layer and step, `forward` launches:
+  1. `_store_kv_kernel`: this step's k/v rows into the paged cache at `slot_mapping`.
+  2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
+     (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
+     padded to 16). With several splits each program covers a slice of the key tiles and
+     `_merge_kernel` combines the slices by their log-sum-exp.
+  3. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
+     cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
+     and prefix-cache hits need nothing special).
+
+CUDA graphs: decode grids depend only on Python ints that are fixed per padded batch size
+(`meta.num_decodes`, the number of kv heads); each program reads its real context length from
+`seq_lens` on the device. Padded decode rows must have `seq_lens == 0` (their output is 0) and
+padded tokens `slot_mapping == -1`. The split-KV scratch is allocated inside `forward`, which
+is legal during capture (it comes from the graph's memory pool).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.ops._triton import next_power_of_2, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < NUM_KV_HEADS)[:, None]
+    src = offs_h[:, None] * stride_k_head + offs_d[None, :]
+    k = tl.load(k_ptr + tok * stride_k_tok + src, mask=mask)
+    src = offs_h[:, None] * stride_v_head + offs_d[None, :]
+    v = tl.load(v_ptr + tok * stride_v_tok + src, mask=mask)
+    dst = cache_ptr + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_pos
+    dst += offs_h[:, None] * stride_c_head + offs_d[None, :]
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
+    stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
+    GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GQA + offs_g
+    g_mask = offs_g < GQA
+    # decode sequences come first with one token each: sequence i is query row i
+    q = tl.load(
+        q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    cache_head = cache_ptr + kv_head * stride_c_head
+    for tile in range(tile_start, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
+        kv_off += offs_d[None, :]
+        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0  # false for an empty split or a padded row (seq_len 0)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # scratch layout: [num_decodes, num_heads, NUM_SPLITS, (HEAD_DIM)], contiguous
+        row = (seq * (tl.num_programs(1) * GQA) + heads) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None]
+        )
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf: weights 0, output 0
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None])
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(
+        out_ptr + seq * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    first_seq, scale_log2,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
+    stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = first_seq + tl.program_id(0)
+    m_start = tl.program_id(1) * BLOCK_M
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if m_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len  # tokens already in the cache before this step
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_rows = (q_start + offs_m)[:, None]
+    q = tl.load(
+        q_ptr + q_rows * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=m_mask[:, None],
+        other=0.0,
+    )
+    q_pos = prefix_len + offs_m  # position of each query row in its sequence
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    cache_head = cache_ptr + (head // GQA) * stride_c_head
+    kv_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)  # causal: later keys unused
+    for n_start in range(0, kv_end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
+        kv_off += offs_d[None, :]
+        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        # every row sees key 0, so the row max is finite after the first tile
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows * stride_o_tok + head * stride_o_head + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def num_decode_splits(num_decodes: int, num_kv_heads: int, max_splits: int = 16) -> int:
+    """Key-range splits per decode (sequence, kv head): enough programs to fill an H100.
+
+    Depends only on the padded batch size and the model, so a captured graph keeps it.
+    """
+    work = num_decodes * num_kv_heads
+    if work >= 256:
+        return 1
+    return max(1, min(max_splits, -(-512 // work)))
+
+
+class TritonAttentionBackend:
+    """Paged attention on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
+
+    `num_splits` forces the decode split count (benchmarks); by default it follows
+    `num_decode_splits`.
+    """
+
+    def __init__(self, max_splits: int = 16, num_splits: int | None = None) -> None:
+        self.max_splits = max_splits
+        self.num_splits = num_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} q heads do not divide into {num_kv_heads} kv heads")
+        assert q.stride(2) == k.stride(2) == v.stride(2) == kv_cache.stride(4) == 1
+        gqa = num_heads // num_kv_heads
+        page = meta.block_size
+        cache_strides = kv_cache.stride()[:4]
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        scale_log2 = scale * LOG2E
+        wide = q.dtype != torch.float32  # 16-bit tiles fit twice as many keys in shared memory
+
+        num_slots = meta.slot_mapping.numel()
+        if num_slots:
+            _store_kv_kernel[(num_slots,)](
+                k, v, kv_cache, meta.slot_mapping,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache_strides,
+                NUM_KV_HEADS=num_kv_heads, BLOCK_H=next_power_of_2(num_kv_heads),
+                HEAD_DIM=head_dim, PAGE=page,
+            )  # fmt: skip
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            splits = self.num_splits or num_decode_splits(nd, num_kv_heads, self.max_splits)
+            part_out = part_lse = out  # unused without splits
+            if splits > 1:
+                part_out = torch.empty(
+                    (nd, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+                )
+                part_lse = torch.empty(
+                    (nd, num_heads, splits), dtype=torch.float32, device=q.device
+                )
+            _decode_kernel[(nd, num_kv_heads, splits)](
+                q, kv_cache, meta.block_table, meta.seq_lens, out, part_out, part_lse,
+                scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                meta.block_table.stride(0), *cache_strides,
+                GQA=gqa, BLOCK_G=max(16, next_power_of_2(gqa)), HEAD_DIM=head_dim,
+                BLOCK_N=128 if wide and head_dim <= 128 else 64, PAGE=page,
+                NUM_SPLITS=splits, PRECISION=precision,
+                num_warps=4, num_stages=3 if wide else 2,
+            )  # fmt: skip
+            if splits > 1:
+                _merge_kernel[(nd, num_heads)](
+                    part_out, part_lse, out, out.stride(0), out.stride(1),
+                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                    BLOCK_S=next_power_of_2(splits),
+                )  # fmt: skip
+
+        num_prefills = meta.num_seqs - nd
+        if num_prefills:
+            block_m = 64 if wide else 32
+            _prefill_kernel[(num_prefills, math.ceil(meta.max_query_len / block_m), num_heads)](
+                q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, out,
+                nd, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                meta.block_table.stride(0), *cache_strides,
+                GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_m, PAGE=page,
+                PRECISION=precision, num_warps=4, num_stages=2,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,152 @@
+"""Triton paged attention against a dense float64 reference.
+
+On a CUDA machine the cases run directly (`gpu` marker). On CPU they run through the Triton
+interpreter in a subprocess, since TRITON_INTERPRET must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# name -> (seqs as (query_len, seq_len), num_heads, num_kv_heads, head_dim, block_size, splits)
+CASES: dict[str, tuple] = {
+    "decode": ([(1, 37), (1, 16), (1, 100), (1, 1)], 4, 2, 64, 16, 1),
+    "decode_split": ([(1, 37), (1, 200), (1, 5), (1, 0)], 4, 2, 64, 16, 4),
+    "decode_split_auto_gqa8": ([(1, 77), (1, 130)], 8, 1, 64, 16, None),
+    "decode_gqa3_d128": ([(1, 45), (1, 129)], 6, 2, 128, 16, 3),
+    "prefill": ([(20, 20), (70, 70)], 4, 2, 64, 16, None),
+    "prefill_prefix": ([(9, 41), (33, 97), (1, 18)], 4, 4, 64, 16, None),  # last: q_len 1
+    "mixed_block32": ([(1, 50), (1, 33), (40, 40), (17, 81)], 8, 2, 64, 32, 2),
+}
+
+
+def check_case(name: str, device: str, dtype: torch.dtype) -> None:
+    from minivllm.worker.attention.metadata import AttentionMetadata
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+
+    seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    # a "decode" here is any leading sequence with one query token (as the runner orders them)
+    num_decodes = next((i for i, (q_len, _) in enumerate(seqs) if q_len != 1), len(seqs))
+    max_blocks = max(-(-s // block_size) for _, s in seqs) + 1
+    num_blocks = len(seqs) * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = perm[: len(seqs) * max_blocks].view(len(seqs), max_blocks).to(torch.int32)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = rand(*shape)  # garbage everywhere; the prefixes are written below
+    qs, ks, vs, slots, full_k, full_v = [], [], [], [], [], []
+    for i, (q_len, seq_len) in enumerate(seqs):
+        kf, vf = rand(seq_len, num_kv_heads, head_dim), rand(seq_len, num_kv_heads, head_dim)
+        full_k.append(kf)
+        full_v.append(vf)
+        pos = torch.arange(seq_len)
+        slot = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        prefix = seq_len - q_len if seq_len else 0
+        flat = cache.view(2, -1, num_kv_heads, head_dim)
+        flat[0, slot[:prefix]] = kf[:prefix]
+        flat[1, slot[:prefix]] = vf[:prefix]
+        n_new = min(q_len, seq_len)
+        qs.append(rand(q_len, num_heads, head_dim))
+        ks.append(torch.cat([kf[prefix:], rand(q_len - n_new, num_kv_heads, head_dim)]))
+        vs.append(torch.cat([vf[prefix:], rand(q_len - n_new, num_kv_heads, head_dim)]))
+        slots.append(torch.cat([slot[prefix:], torch.full((q_len - n_new,), -1)]))
+    pad = 2  # padded rows, as in a CUDA graph batch: slot -1
+    q = torch.cat(qs + [rand(pad, num_heads, head_dim)])
+    k = torch.cat(ks + [rand(pad, num_kv_heads, head_dim)])
+    v = torch.cat(vs + [rand(pad, num_kv_heads, head_dim)])
+    slot_mapping = torch.cat(slots + [torch.full((pad,), -1)])
+
+    expected_cache = cache.clone().view(2, -1, num_kv_heads, head_dim)
+    stored = slot_mapping >= 0
+    expected_cache[0, slot_mapping[stored]] = k[stored]
+    expected_cache[1, slot_mapping[stored]] = v[stored]
+
+    q_lens = torch.tensor([q_len for q_len, _ in seqs])
+    meta = AttentionMetadata(
+        num_tokens=int(q_lens.sum()),
+        num_seqs=len(seqs),
+        num_decodes=num_decodes,
+        max_query_len=int(q_lens.max()),
+        max_seq_len=max(s for _, s in seqs),
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
+        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_size=block_size,
+    )
+    scale = head_dim**-0.5
+    dev = {"dtype": dtype, "device": device}
+    kv_cache = cache.to(**dev)
+    out = TritonAttentionBackend(num_splits=splits).forward(
+        q.to(**dev), k.to(**dev), v.to(**dev), kv_cache, meta, scale
+    )
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        kv_cache.view(2, -1, num_kv_heads, head_dim).double().cpu(),
+        expected_cache.to(dtype).double(),
+        atol=0,
+        rtol=0,
+    )
+    gqa = num_heads // num_kv_heads
+    row = 0
+    for i, (q_len, seq_len) in enumerate(seqs):
+        got = out[row : row + q_len].double().cpu()
+        row += q_len
+        if seq_len == 0:  # a padded decode row
+            assert torch.all(got == 0), name
+            continue
+        # round inputs the way the kernel sees them
+        qi = qs[i].to(dtype).double()
+        kf = full_k[i].to(dtype).double().repeat_interleave(gqa, dim=1)
+        vf = full_v[i].to(dtype).double().repeat_interleave(gqa, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, kf) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+        torch.testing.assert_close(
+            got, ref, atol=tol, rtol=tol, msg=lambda m, i=i: f"{name} {i}: {m}"
+        )
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(
+    "names",
+    [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
+     ["prefill", "prefill_prefix", "mixed_block32"]],
+    ids=["decode", "prefill"],
+)  # fmt: skip
+def test_triton_attention_interpreted(names: list[str]) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, __file__, *names], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_attention_gpu(name: str, dtype: torch.dtype) -> None:
+    check_case(name, "cuda", dtype)
+
+
+if __name__ == "__main__":  # the interpreted run: python this_file.py CASE...
+    for case in sys.argv[1:]:
+        check_case(case, "cpu", torch.float32)
+        print("ok", case)
