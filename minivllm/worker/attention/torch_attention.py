@@ -1,0 +1,71 @@
+"""Reference attention backend in plain torch: slow, simple, and the numerics to trust.
+
+It loops over sequences on the host, gathers each sequence's keys/values from its blocks
+and runs dense causal attention in float32. Works on any device; other backends are
+tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.worker.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        n = meta.num_tokens
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        slots = meta.slot_mapping[:n]
+        keep = slots >= 0
+        key_cache.index_copy_(0, slots[keep], k[:n][keep].to(kv_cache.dtype))
+        value_cache.index_copy_(0, slots[keep], v[:n][keep].to(kv_cache.dtype))
+
+        starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
+        seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
+        # rows past num_tokens are padding (e.g. for a captured graph): left as zeros
+        out = torch.zeros_like(q)
+        for i in range(meta.num_seqs):
+            q_start, q_end, seq_len = starts[i], starts[i + 1], seq_lens[i]
+            num_blocks = -(-seq_len // meta.block_size)
+            blocks = meta.block_table[i, :num_blocks].long()
+            keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
+        return out
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Dense attention of one sequence in float32, its queries being its last positions.
+
+    q: [q_len, num_heads, head_dim]; k, v: [seq_len, num_kv_heads, head_dim] with
+    seq_len >= q_len. Query head h reads kv head h // (num_heads // num_kv_heads), as in HF.
+    """
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+    key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def _host_list(host: torch.Tensor | None, device_tensor: torch.Tensor) -> list[int]:
+    return (host if host is not None else device_tensor).tolist()

@@ -1,0 +1,168 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column-parallel layers split the output features across ranks and need no communication;
+row-parallel layers split the input features and all-reduce their partial sums. A
+column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down) thus costs
+one all-reduce. Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
+copies this rank's slice of a checkpoint tensor into it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.worker.layers.parallel_state import TPGroup, divide
+from minivllm.worker.layers.weights import Loaded, copy_checked, default_weight_loader, narrow
+
+
+def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
+    # torch.empty: the loader (or dummy init) fills every element; no wasted random init
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPGroup,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size_per_rank = divide(output_size, tp.size)
+        self.weight = _param(
+            self.output_size_per_rank, input_size, dtype=params_dtype, loader=self.weight_loader
+        )
+        self.bias = (
+            _param(self.output_size_per_rank, dtype=params_dtype, loader=self.weight_loader)
+            if bias
+            else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
+        rows = param.shape[0]
+        copy_checked(param.data, narrow(loaded, 0, self.tp.rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): per rank, each output's
+    shard is laid out one after another. Checkpoint tensors come with shard_id = 0, 1, ..."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        tp: TPGroup,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), tp, bias, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
+        sizes = [divide(s, self.tp.size) for s in self.output_sizes]
+        offset, rows = sum(sizes[:shard_id]), sizes[shard_id]
+        dst = param.data.narrow(0, offset, rows)
+        copy_checked(dst, narrow(loaded, 0, self.tp.rank * rows, rows))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul, sharded by attention head.
+
+    Each rank holds num_heads / tp query heads and num_kv_heads / tp key/value heads; when
+    tp > num_kv_heads every kv head is replicated on tp / num_kv_heads consecutive ranks.
+    Checkpoint tensors come with shard_id "q", "k" or "v".
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: TPGroup,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size)
+        if tp.size >= num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_replicas = divide(tp.size, num_kv_heads)
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp.size)
+            self.num_kv_replicas = 1
+        per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, per_rank * tp.size, tp, bias, params_dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, rows, src_rank = 0, self.q_size, self.tp.rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            rows, src_rank = self.kv_size, self.tp.rank // self.num_kv_replicas
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        dst = param.data.narrow(0, offset, rows)
+        copy_checked(dst, narrow(loaded, 0, src_rank * rows, rows))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
+    output of a column-parallel layer). Partial products are all-reduced, then the bias is
+    added once."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPGroup,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = divide(input_size, tp.size)
+        self.weight = _param(
+            output_size, self.input_size_per_rank, dtype=params_dtype, loader=self.weight_loader
+        )
+        # the bias is replicated: every rank holds all of it, added after the reduction
+        self.bias = (
+            _param(output_size, dtype=params_dtype, loader=default_weight_loader) if bias else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear is not stacked, got shard_id {shard_id!r}")
+        cols = param.shape[1]
+        copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,54 @@
+"""The elementwise ops the layers call, as plain torch functions.
+
+They are the swap point for fused kernels: a GPU backend may route these names to Triton
+implementations with the same signatures. Each computes in float32 and returns the input
+dtype, matching HF transformers' numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the new residual stream and its norm."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] where the last dimension is 2 * d."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style rotary embedding (HF's rotate_half).
+
+    q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim];
+    cos, sin: [T, head_dim // 2] float32 for each token's position.
+    """
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    q32, k32 = q.float(), k.float()
+    q_out = q32 * cos + _rotate_half(q32) * sin
+    k_out = k32 * cos + _rotate_half(k32) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)

@@ -1,0 +1,51 @@
+"""The tensor-parallel group a model is built for, passed to every layer that shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group.
+
+    `group` is a `torch.distributed` process group (None means the default group); it is
+    only touched when size > 1, so a size-1 group needs no `torch.distributed` at all.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid TP rank {self.rank} for size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks (in place when size > 1); returns x."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's x along dim, in rank order; every rank gets the result."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """numerator / denominator, refusing a remainder (a shape that cannot be sharded evenly)."""
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor parallel size {denominator}")
+    return numerator // denominator

@@ -1,0 +1,66 @@
+"""Rotary position embedding (NeoX / HF rotate_half layout) with a precomputed cos/sin table."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from minivllm.worker.layers import ops
+
+_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either config layout: transformers 5 writes
+    `rope_parameters`, older checkpoints a top-level `rope_theta` plus `rope_scaling`."""
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {params['rope_type']!r} is not supported; "
+            f"supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    return theta, params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their token positions; cos/sin for every position up to
+    max_positions are computed once, in float32."""
+
+    def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        theta, scaling = rope_parameters(hf_config)
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
+        if scaling["rope_type"] == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
+        return ops.apply_rope(q, k, self.cos_cache[positions], self.sin_cache[positions])

@@ -1,0 +1,81 @@
+"""Build a model for one tensor-parallel rank on its device and fill its weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from minivllm.config import ModelConfig
+from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.layers.parallel_state import TPGroup
+from minivllm.worker.layers.weights import Loaded
+from minivllm.worker.models.llama_family import CausalLM
+from minivllm.worker.models.registry import resolve_architecture
+
+_DUMMY_SCALE = 1e-3  # small enough that bf16 activations stay finite through deep models
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    tp: TPGroup,
+    attn_backend: AttentionBackend,
+) -> CausalLM:
+    """The model of model_config, sharded for rank tp.rank, in model_config.dtype on device.
+
+    load_format "auto" reads the HF safetensors checkpoint (one file or sharded with an
+    index), each rank reading only its slices; "dummy" fills random weights of the real
+    geometry, deterministic from model_config.seed.
+    """
+    model_cls, variant = resolve_architecture(model_config)
+    dtype = getattr(torch, model_config.dtype)
+    # parameters are allocated uninitialized, directly on the device, in the final dtype
+    with torch.device(device):
+        model = model_cls(model_config, variant, tp, attn_backend, params_dtype=dtype)
+    with torch.no_grad():
+        if model_config.load_format == "dummy":
+            _init_dummy(model, model_config.seed + tp.rank, device)
+        elif model_config.load_format == "auto":
+            model.load_weights(iter_safetensors(model_config.model))
+        else:
+            raise ValueError(f"unknown load_format {model_config.load_format!r}")
+    return model.eval()
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files: those named by model.safetensors.index.json, else model.safetensors."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, name) for name in names]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir!r} "
+        "(use load_format='dummy' for random weights)"
+    )
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, Loaded]]:
+    """(name, lazy slice) for every tensor in the checkpoint; a slice reads from disk only
+    the part a weight loader indexes."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_slice(name)
+
+
+def _init_dummy(model: CausalLM, seed: int, device: torch.device) -> None:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-_DUMMY_SCALE, _DUMMY_SCALE, generator=generator)

@@ -1,0 +1,274 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+They share pre-norm blocks of GQA attention with rotary embeddings and a SwiGLU MLP; what
+differs is a `DecoderVariant`: Qwen2 adds a bias to q/k/v, Qwen3 RMS-normalizes each
+query/key head before the rotation. Parameter names follow HF's, except that q/k/v and
+gate/up are stacked into `qkv_proj` and `gate_up_proj` so each is one matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.layers.activation import SiluAndMul
+from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minivllm.worker.layers.norm import RMSNorm
+from minivllm.worker.layers.parallel_state import TPGroup
+from minivllm.worker.layers.rotary import RotaryEmbedding
+from minivllm.worker.layers.weights import Loaded, default_weight_loader
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What sets one architecture of the family apart."""
+
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        layer_idx: int,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        hf = config.hf_config
+        hidden, head_dim = int(hf["hidden_size"]), config.head_dim
+        bias = variant.qkv_bias or bool(hf.get("attention_bias", False))
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_dim,
+            config.num_attention_heads,
+            config.num_kv_heads,
+            tp,
+            bias=bias,
+            params_dtype=params_dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            hidden,
+            tp,
+            bias=bool(hf.get("attention_bias", False)) and not variant.qkv_bias,
+            params_dtype=params_dtype,
+        )
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_model_len, hf)
+        eps = float(hf["rms_norm_eps"])
+        self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
+        k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
+        v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        hf = config.hf_config
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; only 'silu'")
+        hidden, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
+        bias = bool(hf.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        layer_idx: int,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
+        self.self_attn = Attention(config, variant, layer_idx, tp, backend, params_dtype)
+        self.mlp = MLP(config, tp, params_dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the residual stream is carried separately so each norm can fuse the add
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        hidden = int(config.hf_config["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, i, tp, backend, params_dtype)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# checkpoint name part -> (our stacked parameter's name part, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM of the Llama family, sharded for one tensor-parallel rank."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        tp: TPGroup,
+        attn_backend: AttentionBackend,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(config.hf_config.get("tie_word_embeddings", False))
+        self.model = DecoderModel(config, variant, tp, attn_backend, params_dtype)
+        hidden = int(config.hf_config["hidden_size"])
+        self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T]; kv_caches: one per layer. Returns hidden [T, hidden].
+
+        Each layer writes this step's keys/values into its cache at meta.slot_mapping."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Copy HF-named checkpoint tensors (or safetensors slices) into this rank's params.
+
+        Raises ValueError naming every checkpoint weight with no parameter, and every
+        parameter (or stacked shard of one) the checkpoint did not provide."""
+        params = dict(self.named_parameters())
+        expected = {name: _shards_of(name) for name in params}
+        loaded: dict[str, set] = {name: set() for name in params}
+        unexpected = []
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints still store it
+            name, shard_id = hf_name, None
+            for hf_part, part, sid in _STACKED:
+                if hf_part in hf_name:
+                    name, shard_id = hf_name.replace(hf_part, part), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                unexpected.append(hf_name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"{hf_name}: {e}") from e
+            loaded[name].add(shard_id)
+        missing = sorted(
+            f"{name}[{shard}]" if shard is not None else name
+            for name, shards in expected.items()
+            for shard in shards - loaded[name]
+        )
+        if unexpected or missing:
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture}: "
+                f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
+            )
+
+
+def _shards_of(param_name: str) -> set:
+    shards = {sid for _, part, sid in _STACKED if part in param_name}
+    return shards or {None}

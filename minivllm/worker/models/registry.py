@@ -1,0 +1,36 @@
+"""Architecture name (config.json "architectures"[0]) -> model class and variant."""
+
+from __future__ import annotations
+
+from minivllm.config import ModelConfig
+from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
+
+_ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
+    "LlamaForCausalLM": (CausalLM, DecoderVariant()),
+    "MistralForCausalLM": (CausalLM, DecoderVariant()),
+    "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
+    "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVariant]:
+    """The model class and variant for config, or ValueError naming what is supported."""
+    arch = config.architecture
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    hf = config.hf_config
+    sliding = hf.get("sliding_window")
+    uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_sliding and sliding and config.max_model_len > int(sliding):
+        raise ValueError(
+            f"{arch} uses sliding-window attention ({sliding} tokens), which is not "
+            f"supported; set max_model_len <= {sliding}"
+        )
+    return _ARCHITECTURES[arch]
