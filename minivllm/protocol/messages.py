@@ -146,7 +146,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
     step_id: int
     scheduled_new_reqs: list[NewRequestData] = []
-    scheduled_cached_reqs: CachedRequestData = CachedRequestData()
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = {}  # req_id -> tokens to run this step
     total_num_scheduled_tokens: int = 0
     # requests the workers must forget: finished, aborted or preempted since the last step
