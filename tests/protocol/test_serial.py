@@ -30,6 +30,7 @@ from minivllm.protocol.serial import (
     CORE_TO_FRONTEND,
     CORE_TO_WORKER,
     FRONTEND_TO_CORE,
+    ID_FRAME_THRESHOLD,
     TAGS,
     WORKER_TO_CORE,
     MsgDecoder,
@@ -38,6 +39,7 @@ from minivllm.protocol.serial import (
 )
 
 ALL_TYPES = tuple(TAGS)
+ENCODERS = {"inline": MsgEncoder(), "id-frames": MsgEncoder(aux_threshold=ID_FRAME_THRESHOLD)}
 LONG_PROMPT = list(range(100_000, 105_000))
 
 
@@ -94,9 +96,10 @@ def sample_messages() -> list[msgspec.Struct]:
     ]
 
 
+@pytest.mark.parametrize("encoder", ENCODERS.values(), ids=ENCODERS.keys())
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
-def test_round_trip(msg: msgspec.Struct) -> None:
-    frames = MsgEncoder().encode(msg)
+def test_round_trip(msg: msgspec.Struct, encoder: MsgEncoder) -> None:
+    frames = encoder.encode(msg)
     decoded = MsgDecoder(ALL_TYPES).decode([bytes(f) for f in frames])
     assert type(decoded) is type(msg)
     assert decoded == msg
@@ -108,7 +111,7 @@ def test_every_type_round_trips() -> None:
 
 def test_long_token_ids_travel_as_extra_frames() -> None:
     msg = next(m for m in sample_messages() if isinstance(m, SchedulerOutput))
-    frames = MsgEncoder().encode(msg)
+    frames = ENCODERS["id-frames"].encode(msg)
     # head, slot table, one int32 frame for the 5,000-token prompt only
     assert len(frames) == 3
     assert memoryview(frames[2]).nbytes == 4 * len(LONG_PROMPT)
@@ -116,14 +119,14 @@ def test_long_token_ids_travel_as_extra_frames() -> None:
     assert msg.scheduled_new_reqs[1].token_ids == LONG_PROMPT  # the caller's copy is intact
     assert MsgDecoder(CORE_TO_WORKER).decode(frames) == msg
 
-    inline = MsgEncoder(aux_threshold=None).encode(msg)
+    inline = MsgEncoder().encode(msg)
     assert len(inline) == 1
     assert MsgDecoder(CORE_TO_WORKER).decode(inline) == msg
 
 
 def test_ids_outside_int32_stay_inline() -> None:
     msg = EngineCoreRequest("r", [2**40] * 300, SamplingParams())
-    frames = MsgEncoder().encode(msg)
+    frames = ENCODERS["id-frames"].encode(msg)
     assert len(frames) == 1
     assert MsgDecoder(FRONTEND_TO_CORE).decode(frames) == msg
 
@@ -160,7 +163,7 @@ def test_pickle_payload_never_executes(tmp_path, protocol: int) -> None:
     attempts = [[payload]]
     # also behind every valid tag, and as an id frame after a valid head
     attempts += [[tag + payload] for tag in TAGS.values()]
-    head = MsgEncoder().encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
+    head = ENCODERS["id-frames"].encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
     attempts += [[head[0], payload, payload], [head[0], head[1], payload]]
     decoders = [MsgDecoder(a) for a in (FRONTEND_TO_CORE, CORE_TO_FRONTEND, CORE_TO_WORKER)]
     decoders += [MsgDecoder(WORKER_TO_CORE), MsgDecoder(ALL_TYPES)]
@@ -196,7 +199,11 @@ def _mutations(rng: random.Random, frames: list[bytes]) -> list[bytes]:
 def test_garbage_only_ever_raises_protocol_error() -> None:
     rng = random.Random(1234)
     decoder = MsgDecoder(ALL_TYPES)
-    encoded = [[bytes(f) for f in MsgEncoder().encode(m)] for m in sample_messages()]
+    encoded = [
+        [bytes(f) for f in encoder.encode(m)]
+        for encoder in ENCODERS.values()
+        for m in sample_messages()
+    ]
     for case in range(1500):
         if case % 3 == 0:  # pure noise, often behind a valid tag
             tag = rng.choice([*TAGS.values(), b""])
@@ -220,7 +227,7 @@ def test_empty_and_unknown() -> None:
 
 
 def test_missing_id_frame() -> None:
-    frames = MsgEncoder().encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
+    frames = ENCODERS["id-frames"].encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
     with pytest.raises(ProtocolError, match="slots"):
         MsgDecoder(FRONTEND_TO_CORE).decode(frames[:2])
 
