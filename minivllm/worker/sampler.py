@@ -1,0 +1,82 @@
+"""Reference sampler: greedy, temperature, top-k, top-p, min-p, seeded per request.
+
+Random rows are drawn with the exponential race: argmax_i(p_i / E_i) with E_i ~ Exp(1)
+i.i.d. picks token i with probability exactly p_i (the race's winner is the first of
+independent exponential clocks of rates p_i). It needs no cumulative sum and no sort, and
+the noise E comes from a generator seeded by (request seed, position) alone, so a request's
+draw at a position is the same whatever else shares the batch and however it is scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in SamplingParams
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for N logits rows, all on the logits' device."""
+
+    temperature: torch.Tensor  # float32 [N]; < 1e-5 means greedy
+    top_k: torch.Tensor  # int32 [N]; 0 = no top-k
+    top_p: torch.Tensor  # float32 [N]; 1.0 = no top-p
+    min_p: torch.Tensor  # float32 [N]; 0.0 = no min-p
+    seeds: torch.Tensor  # int64 [N]; the request's seed (a random one when the user gave none)
+    positions: torch.Tensor  # int64 [N]; tokens of the request before this sample
+    all_greedy: bool
+    all_random: bool
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """logits float32 [N, V] -> sampled token ids int64 [N]."""
+    greedy_ids = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy_ids
+    probs = filtered_probs(logits, meta)
+    noise = torch.empty_like(probs)
+    seeds, positions = meta.seeds.tolist(), meta.positions.tolist()
+    for row, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        generator = torch.Generator(device=logits.device).manual_seed(_mix(seed, position))
+        noise[row].exponential_(generator=generator)
+    # an Exp(1) draw can be exactly 0; 0 / 0 would be NaN, which argmax would pick
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    random_ids = (probs / noise).argmax(dim=-1)
+    if meta.all_random:
+        return random_ids
+    return torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, random_ids)
+
+
+def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Softmax of logits / temperature with top-k, top-p and min-p applied (zeros for the
+    removed tokens; rows are not renormalized, which the race does not need)."""
+    greedy = meta.temperature < _GREEDY_EPS
+    temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
+    logits = logits / temperature.unsqueeze(1)
+
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    # top-k: drop what is below the k-th largest logit (ties with it are kept)
+    k = torch.where(meta.top_k > 0, meta.top_k.long(), vocab).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # top-p: keep the smallest prefix whose mass reaches p; the top token always stays
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= meta.top_p.unsqueeze(1), 0.0)
+    # min-p: drop tokens less likely than min_p times the most likely one
+    threshold = meta.min_p.unsqueeze(1) * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(sorted_probs < threshold, 0.0)
+    return torch.zeros_like(sorted_probs).scatter_(1, sorted_idx, sorted_probs)
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position) via splitmix64, so nearby seeds and
+    positions give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
