@@ -1,0 +1,129 @@
+"""The engine's step loop, with no I/O: add requests, abort them, step.
+
+Usable in-process (tests, debugging, `LLMEngine` with the in-process client) and wrapped by
+`EngineCoreProc`, which adds sockets, threads and the busy loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from minivllm.config import EngineConfig
+from minivllm.engine_core.executor import Executor
+from minivllm.engine_core.request import Request, RequestStatus
+from minivllm.engine_core.scheduler import Scheduler
+from minivllm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        self.config = config
+        executor_class = executor_class or Executor.get_class(config)
+        start = time.monotonic()
+        self.executor = executor_class(config)
+        self.num_blocks = self.executor.num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        # steps launched but not yet applied: at most one in flight with async scheduling
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # requests refused at arrival, answered with an error output on the next step
+        self._rejected: dict[int, list[EngineCoreOutput]] = {}
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks, async scheduling %s",
+            time.monotonic() - start,
+            self.num_blocks,
+            "on" if config.scheduler.async_scheduling else "off",
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; one the engine can never serve ends at once with an error output."""
+        try:
+            req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            logger.warning("request %s rejected: %s", request.request_id, e)
+            out = EngineCoreOutput(
+                request.request_id, finish_reason=FinishReason.ERROR, error=str(e)
+            )
+            self._rejected.setdefault(request.client_id, []).append(out)
+
+    def abort_requests(self, request_ids: list[str], client_id: int | None = None) -> None:
+        """Abort requests (only those of `client_id`, when given). No output is sent: the
+        client that aborts already knows."""
+        if client_id is not None:
+            owned = []
+            for r in request_ids:
+                req = self.scheduler.get_request(r)
+                if req is not None and req.client_id == client_id:
+                    owned.append(r)
+            request_ids = owned
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_client(self, client_id: int) -> list[str]:
+        """Abort every request of a client that went away."""
+        ids = [r for r, req in self.scheduler.requests.items() if req.client_id == client_id]
+        self.abort_requests(ids)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+
+    def has_work(self) -> bool:
+        return self.has_unfinished_requests() or bool(self.batch_queue)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Schedule, run and apply one step. With async scheduling, the step launched now is
+        applied on a later call, after the next one has been launched behind it."""
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.max_in_flight:
+            so = self.scheduler.schedule()
+            if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
+                self.batch_queue.append((so, self.executor.execute_model(so)))
+                if len(self.batch_queue) < self.max_in_flight:
+                    return self._package({})
+        if not self.batch_queue:
+            return self._package({})
+        so, future = self.batch_queue.popleft()
+        return self._package(self.scheduler.update_from_output(so, future.result()))
+
+    def _package(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+        for client, rejected in self._rejected.items():
+            outputs.setdefault(client, []).extend(rejected)
+        self._rejected.clear()
+        if not outputs:
+            return {}
+        stats = self.scheduler.make_stats()
+        now = time.time()
+        return {
+            c: EngineCoreOutputs(outputs=o, scheduler_stats=stats, timestamp=now)
+            for c, o in outputs.items()
+        }
+
+    # ------------------------------------------------------------------ utilities
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        import msgspec
+
+        return msgspec.structs.asdict(self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,66 @@
+"""Executors start the workers, send them each step and return rank 0's answer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+
+from minivllm.config import EngineConfig
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Owns the workers. `num_blocks` is known once the constructor returns."""
+
+    num_blocks: int
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        if config.parallel.distributed_executor_backend == "uni":
+            if config.parallel.tensor_parallel_size != 1:
+                raise ValueError(
+                    "distributed_executor_backend='uni' runs one in-process worker: "
+                    "tensor_parallel_size must be 1"
+                )
+            return UniProcExecutor
+        from minivllm.engine_core.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step; the future resolves to rank 0's output (or raises)."""
+
+    def check_health(self) -> None:
+        """Raise if a worker is dead."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor(Executor):
+    """One worker in this process: for tests and debugging."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from minivllm.worker.worker import Worker
+
+        self.worker = Worker(config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(self.num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.worker.execute_model(scheduler_output))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,184 @@
+"""Workers in their own processes, driven over ZMQ: each step is broadcast to every rank
+and rank 0 answers. Tensors between ranks go over torch.distributed, never through here."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import zmq
+
+from minivllm.config import EngineConfig
+from minivllm.engine_core.executor import Executor
+from minivllm.exceptions import EngineDeadError, EngineStartupError
+from minivllm.process_utils import describe_exit, spawn, terminate
+from minivllm.protocol import transport
+from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
+from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_STARTUP_TIMEOUT", "900"))
+_POLL_MS = 100
+
+
+class StepFuture:
+    """Rank 0's answer to one step, received when asked for."""
+
+    def __init__(self, executor: MultiprocExecutor, step_id: int) -> None:
+        self.executor = executor
+        self.step_id = step_id
+
+    def done(self) -> bool:
+        return self.executor._poll_output(self.step_id, timeout_ms=0) is not None
+
+    def result(self) -> ModelRunnerOutput:
+        while True:
+            out = self.executor._poll_output(self.step_id, timeout_ms=_POLL_MS)
+            if out is not None:
+                return out
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from minivllm.worker.worker_process import run_worker
+
+        tp = config.parallel.tensor_parallel_size
+        self.ipc_dir = transport.make_ipc_dir("minivllm-workers-")
+        self.ctx = zmq.Context()
+        self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
+        self.results, result_addr = transport.bind_socket(
+            self.ctx, zmq.PULL, transport.ipc_address(self.ipc_dir, "results")
+        )
+        self.step_socks = []
+        self.procs = []
+        self.death_pipes = []
+        self._outputs: dict[int, ModelRunnerOutput] = {}
+        self._dead: str | None = None
+        try:
+            for rank in range(tp):
+                sock, addr = transport.bind_socket(
+                    self.ctx, zmq.PUSH, transport.ipc_address(self.ipc_dir, f"steps-{rank}")
+                )
+                self.step_socks.append(sock)
+                proc, ready, death = spawn(
+                    run_worker,
+                    dict(config=config, rank=rank, step_address=addr, result_address=result_addr),
+                    name=f"worker-rank{rank}",
+                )
+                ready.close()
+                self.procs.append(proc)
+                self.death_pipes.append(death)
+            self.num_blocks = self._startup()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ startup
+
+    def _startup(self) -> int:
+        tp = len(self.procs)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        blocks: dict[int, int] = {}
+        while len(blocks) < tp:
+            msg = self._recv_startup(deadline)
+            if msg.role == "rendezvous":
+                ctl = WorkerControl("rendezvous", [msg.input_address])
+                for sock in self.step_socks[1:]:
+                    transport.send_msg(sock, self.encoder.encode(ctl))
+            elif msg.role == "worker":
+                blocks[msg.rank] = msg.num_gpu_blocks
+        num_blocks = min(blocks.values())
+        self._broadcast(WorkerControl("init_kv_cache", [num_blocks]))
+        ready = 0
+        while ready < tp:
+            ready += self._recv_startup(deadline).role == "worker-ready"
+        logger.info("%d worker process(es) ready: pids %s", tp, [p.pid for p in self.procs])
+        return num_blocks
+
+    def _recv_startup(self, deadline: float) -> Handshake:
+        while time.monotonic() < deadline:
+            frames = transport.recv_msg(self.results, timeout_ms=_POLL_MS)
+            if frames is None:
+                dead = self._dead_worker()
+                if dead:
+                    raise EngineStartupError(f"{dead} during startup")
+                continue
+            msg = self._decode(frames)
+            if isinstance(msg, ModelRunnerOutput) and msg.error:
+                raise EngineStartupError(msg.error)
+            if isinstance(msg, Handshake):
+                return msg
+        raise EngineStartupError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    # ------------------------------------------------------------------ steps
+
+    def _broadcast(self, msg) -> None:
+        frames = self.encoder.encode(msg)
+        for sock in self.step_socks:
+            transport.send_msg(sock, frames, copy=True)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        self.check_health()
+        self._broadcast(scheduler_output)
+        return StepFuture(self, scheduler_output.step_id)
+
+    def _poll_output(self, step_id: int, timeout_ms: int) -> ModelRunnerOutput | None:
+        if step_id in self._outputs:
+            return self._outputs.pop(step_id)
+        frames = transport.recv_msg(self.results, timeout_ms=timeout_ms)
+        if frames is None:
+            self.check_health()
+            return None
+        msg = self._decode(frames)
+        if not isinstance(msg, ModelRunnerOutput):
+            return None
+        if msg.error:
+            self._dead = msg.error
+            raise EngineDeadError(msg.error)
+        if msg.step_id == step_id:
+            return msg
+        self._outputs[msg.step_id] = msg
+        return None
+
+    def _decode(self, frames):
+        try:
+            return self.decoder.decode(frames)
+        except ValueError as e:
+            logger.warning("dropped an undecodable message from a worker: %s", e)
+            return None
+
+    def _dead_worker(self) -> str | None:
+        for p in self.procs:
+            if not p.is_alive():
+                return describe_exit(p)
+        return None
+
+    def check_health(self) -> None:
+        if self._dead is None:
+            dead = self._dead_worker()
+            if dead:
+                self._dead = dead
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
+        if self._dead is None and self.step_socks:
+            with contextlib.suppress(zmq.ZMQError):
+                self._broadcast(WorkerControl("shutdown"))
+            deadline = time.monotonic() + 2.0
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        terminate([p for p in self.procs if p.is_alive()], timeout=5.0)
+        for pipe in self.death_pipes:
+            pipe.close()
+        for sock in [*self.step_socks, self.results]:
+            transport.close_socket(sock, linger=0)
+        self.ctx.term()
+        transport.cleanup_ipc(self.ipc_dir)

@@ -1,0 +1,88 @@
+"""The worker's persistent view of the running requests.
+
+Each request owns one row of preallocated buffers (token ids, block table, sampling
+parameters) from the step it arrives until it finishes or is preempted. The scheduler's diffs
+update rows in place; a step gathers the rows it needs with numpy indexing, so no tensor is
+built from Python lists on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minivllm.protocol.messages import CachedRequestData, NewRequestData
+from minivllm.protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    row: int
+    num_prompt_tokens: int
+    num_tokens: int  # tokens whose ids are known on the host (prompt + sampled)
+    num_computed_tokens: int
+    num_blocks: int
+    params: SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self.requests: dict[str, RequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def add(self, new: NewRequestData) -> RequestState:
+        if new.req_id in self.requests:
+            self.remove(new.req_id)
+        row = self._free_rows.pop()
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        p = new.sampling_params
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.seeds[row] = new.sample_seed
+        state = RequestState(
+            req_id=new.req_id,
+            row=row,
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_tokens=n,
+            num_computed_tokens=new.num_computed_tokens,
+            num_blocks=len(new.block_ids),
+            params=p,
+        )
+        self.requests[new.req_id] = state
+        return state
+
+    def update(self, cached: CachedRequestData) -> None:
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            if new_blocks:
+                end = state.num_blocks + len(new_blocks)
+                self.block_table[state.row, state.num_blocks : end] = new_blocks
+                state.num_blocks = end
+            state.num_computed_tokens = num_computed
+
+    def remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_token(self, state: RequestState, token_id: int) -> None:
+        if state.num_tokens <= self.max_model_len:
+            self.token_ids[state.row, state.num_tokens] = token_id
+        state.num_tokens += 1

@@ -1,0 +1,73 @@
+"""One rank: its device, its place in the tensor-parallel group, its model runner."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_store=None) -> None:
+        self.config = config
+        self.rank = rank
+        self.dist_store = dist_store  # a torch.distributed Store all ranks reach (TP > 1)
+        self.model_runner = None
+
+    def init_device(self) -> None:
+        from minivllm.worker.layers.parallel_state import TPGroup
+
+        cfg = self.config
+        tp_size = cfg.parallel.tensor_parallel_size
+        if cfg.device.device == "cuda":
+            local = self.rank % max(torch.cuda.device_count(), 1)
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            # one rank per core at most; the frontend and engine-core need some too
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+        group = None
+        if tp_size > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend=backend,
+                store=self.dist_store,
+                world_size=tp_size,
+                rank=self.rank,
+                **({"device_id": self.device} if backend == "nccl" else {}),
+            )
+            group = dist.group.WORLD
+        self.tp = TPGroup(rank=self.rank, size=tp_size, group=group)
+        torch.manual_seed(cfg.model.seed)
+        from minivllm.worker.model_runner import ModelRunner
+
+        self.model_runner = ModelRunner(cfg, self.device, self.tp)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        if self.config.parallel.tensor_parallel_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""The main function of a worker process: receive steps, run them, rank 0 answers.
+
+Startup: connect; init the device (and the TP group: rank 0 hosts the rendezvous store on a
+port the OS picked when it bound, and the engine-core relays it to the other ranks); load
+the model; report how many KV blocks fit; wait for the agreed number; allocate; report ready.
+Any exception is sent back as an error and ends the process: a TP peer that keeps running
+would block forever in its next collective, so the engine-core tears all ranks down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from minivllm.config import EngineConfig
+from minivllm.process_utils import die_with_parent
+from minivllm.protocol import transport
+from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
+from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    step_address: str,
+    result_address: str,
+    ready_pipe: Connection,
+    death_pipe: Connection,
+) -> None:
+    die_with_parent(death_pipe)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    ready_pipe.close()
+    ctx = zmq.Context()
+    steps = transport.connect_socket(ctx, zmq.PULL, step_address)
+    results = transport.connect_socket(ctx, zmq.PUSH, result_address)
+    encoder, decoder = MsgEncoder(), MsgDecoder(CORE_TO_WORKER)
+
+    def send(msg) -> None:
+        transport.send_msg(results, encoder.encode(msg))
+
+    def recv():
+        while True:
+            frames = transport.recv_msg(steps)
+            try:
+                return decoder.decode(frames)
+            except ValueError as e:
+                logger.warning("worker %d dropped an undecodable message: %s", rank, e)
+
+    step_id = -1
+    try:
+        store = None
+        if config.parallel.tensor_parallel_size > 1:
+            store = _rendezvous(rank, send, recv)
+        from minivllm.worker.worker import Worker
+
+        worker = Worker(config, rank=rank, dist_store=store)
+        worker.init_device()
+        worker.load_model()
+        send(
+            Handshake(
+                role="worker",
+                rank=rank,
+                pid=os.getpid(),
+                num_gpu_blocks=worker.determine_num_blocks(),
+            )
+        )
+        while True:
+            msg = recv()
+            if isinstance(msg, SchedulerOutput):
+                step_id = msg.step_id
+                out = worker.execute_model(msg)
+                if out is not None:
+                    send(out)
+            elif isinstance(msg, WorkerControl):
+                if msg.command == "shutdown":
+                    break
+                if msg.command == "init_kv_cache":
+                    worker.initialize_kv_cache(int(msg.args[0]))
+                    send(Handshake(role="worker-ready", rank=rank, pid=os.getpid()))
+    except Exception:
+        error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
+        logger.error(error)
+        send(ModelRunnerOutput(step_id=step_id, error=error))
+        transport.close_socket(results)  # linger lets the error frame out
+        os._exit(1)
+    transport.close_socket(results, linger=0)
+    transport.close_socket(steps, linger=0)
+
+
+def _rendezvous(rank: int, send, recv):
+    """TP rendezvous with no probe-then-bind race: rank 0 binds port 0 and shares the result."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        send(Handshake(role="rendezvous", rank=0, input_address=f"127.0.0.1:{store.port}"))
+        return store
+    msg = recv()
+    if not (isinstance(msg, WorkerControl) and msg.command == "rendezvous"):
+        raise RuntimeError(f"worker {rank}: expected the rendezvous address, got {msg!r}")
+    host, port = str(msg.args[0]).rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=_timedelta(60))
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
