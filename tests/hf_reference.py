@@ -1,0 +1,41 @@
+"""Greedy reference outputs from HF transformers, and the prompts the parity tests use."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+
+def parity_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths; the last ones share long prefixes with earlier ones."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(1, 300) for _ in range(rng.randint(3, 60))] for _ in range(6)]
+    long_prefix = [rng.randint(1, 300) for _ in range(40)]
+    prompts += [long_prefix + [7, 8, 9], long_prefix + [10], prompts[2] + [11, 12]]
+    return prompts
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Token ids transformers' `generate` picks greedily, EOS ignored."""
+    model = _hf_model(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(p) :].tolist())
+    return outs
