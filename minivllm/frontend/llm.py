@@ -1,0 +1,135 @@
+"""`LLM`: the offline API — a batch of prompts in, `RequestOutput`s out, in input order."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from minivllm.config import EngineArgs
+from minivllm.frontend.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.protocol.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate for a batch of prompts, vLLM's way: `LLM(model=...).generate(prompts, params)`."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.llm_engine.input_processor.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _ProgressBar(len(request_ids)) if use_tqdm else None
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar:
+                            bar.update(out)
+        except BaseException:
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [finished[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)
+
+
+class _ProgressBar:
+    """tqdm bar with vLLM's postfix: 'est. speed input: X toks/s, output: Y toks/s'."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.in_tokens = 0
+        self.out_tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        self.in_tokens += len(out.prompt_token_ids or [])
+        self.out_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.postfix = (
+            f"est. speed input: {self.in_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.out_tokens / elapsed:.2f} toks/s"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,79 @@
+"""`LLMEngine`: vLLM's synchronous step loop — add requests, `step()`, read `RequestOutput`s."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from minivllm.config import EngineArgs, EngineConfig
+from minivllm.frontend.core_client import EngineCoreClient, make_sync_client
+from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.output_processor import OutputProcessor
+from minivllm.frontend.tokenizer import load_tokenizer
+from minivllm.outputs import RequestOutput
+from minivllm.protocol.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Tokenizes on the way in, detokenizes on the way out; the engine-core does the rest,
+    in its own process by default (`distributed_executor_backend='uni'` keeps it in this one)."""
+
+    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+        self.config = config
+        model = config.model
+        self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
+        self.input_processor = InputProcessor(model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = client or make_sync_client(config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue one request; raises ValueError (naming the parameter) if invalid."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        for req in self.output_processor.add_user_request(
+            request_id, prompt, params, self.input_processor, arrival_time
+        ):
+            self.engine_core.add_request(req)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run the model, and return what changed."""
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        if processed.errors:
+            request_id, error = next(iter(processed.errors.items()))
+            raise ValueError(f"request {request_id} failed: {error}")
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        internal = self.output_processor.abort_user_requests(ids)
+        if internal:
+            self.engine_core.abort_requests(internal)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> dict:
+        return self.engine_core.call_utility("stats")
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
