@@ -1,0 +1,276 @@
+"""From engine-core outputs (token ids) to the `RequestOutput`s users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from minivllm.frontend.detokenizer import IncrementalDetokenizer
+from minivllm.frontend.parent_request import ParentRequest
+from minivllm.frontend.tokenizer import Tokenizer
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.frontend.input_processor import InputProcessor, PromptType
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one batch of engine-core outputs became."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # internal ids that a stop string (or a failed sibling) ended here while the engine-core
+    # still runs them: the caller must abort them in the core
+    reqs_to_abort: list[str] = field(default_factory=list)
+    # user request id -> error text, for requests that failed; the caller raises
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class RequestState:
+    """One engine-core request as the frontend tracks it: its tokens, text and owner."""
+
+    def __init__(
+        self,
+        internal_id: str,
+        user_request_id: str,
+        prompt_text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        parent: ParentRequest | None,
+        index: int,
+    ) -> None:
+        self.internal_id = internal_id
+        self.user_request_id = user_request_id
+        self.prompt_text = prompt_text
+        self.prompt_token_ids = prompt_token_ids
+        self.output_kind = params.output_kind
+        self.detokenizer = detokenizer
+        self.parent = parent
+        self.index = index
+        self.token_ids: list[int] = []
+        self.num_cached_tokens = 0
+
+    def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
+        """Take one step's ids; return the stop string that ended the text, if any."""
+        self.token_ids.extend(new_token_ids)
+        if self.detokenizer is None:
+            return None
+        return self.detokenizer.update(new_token_ids, finish_reason)
+
+    def completion(
+        self,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+    ) -> CompletionOutput | None:
+        """This step's view of the completion for the output kind, or None if nothing is due."""
+        finished = finish_reason is not None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = ""
+        if self.detokenizer is not None:
+            text = self.detokenizer.get_next_output_text(finished, delta)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(new_token_ids) if delta else list(self.token_ids),
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason,
+        )
+
+
+class OutputProcessor:
+    """Detokenizes engine-core outputs, applies stop strings and output kinds, merges the
+    children of n > 1 requests, and maps internal ids back to the user's request ids.
+
+    Holds no sockets: `process_outputs` returns what to yield and what to abort, and the
+    caller (LLMEngine, AsyncLLM) routes them.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}  # by internal id
+        self.user_requests: dict[str, list[str]] = {}  # user id -> its unfinished internal ids
+
+    def add_user_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        input_processor: InputProcessor,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validate and register one user request; return the core requests to send
+        (n of them when params.n > 1). Raises ValueError for bad input or a running id."""
+        self._check_new_user_id(request_id)
+        prompt_text, request = input_processor.process(request_id, prompt, params, arrival_time)
+        return self.add_engine_request(request_id, prompt_text, request)
+
+    def add_engine_request(
+        self, user_request_id: str, prompt_text: str | None, request: EngineCoreRequest
+    ) -> list[EngineCoreRequest]:
+        """Register a processed request (see `InputProcessor.process`), fanning it out when
+        n > 1; return the core requests to send."""
+        params = request.sampling_params
+        if params.n == 1:
+            children, parent = [request], None
+        else:
+            parent = ParentRequest(request.request_id, params)
+            children = parent.fan_out(request)
+        for index, child in enumerate(children):
+            self.add_request(
+                child.request_id,
+                user_request_id,
+                prompt_text,
+                child.prompt_token_ids,
+                child.sampling_params,
+                parent=parent,
+                index=index,
+            )
+        return children
+
+    def add_request(
+        self,
+        internal_id: str,
+        user_request_id: str,
+        prompt_text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
+        """Track one engine-core request; `parent` and `index` place it among n > 1 siblings."""
+        if internal_id in self.request_states:
+            raise ValueError(f"request_id: internal id {internal_id!r} is already running")
+        if parent is None or index == 0:
+            self._check_new_user_id(user_request_id)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        self.request_states[internal_id] = RequestState(
+            internal_id,
+            user_request_id,
+            prompt_text,
+            prompt_token_ids,
+            params,
+            detokenizer,
+            parent,
+            index,
+        )
+        self.user_requests.setdefault(user_request_id, []).append(internal_id)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Turn one step's engine-core outputs into user-facing `RequestOutput`s."""
+        result = ProcessedOutputs()
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # ended here already (stop string, abort); the core's late news
+            if out.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if finish_reason == FinishReason.ERROR:
+                self._fail(state, out.error or "the engine-core reported an error", result)
+                continue
+            stop_string = state.update(out.new_token_ids, finish_reason)
+            if stop_string is not None:
+                if finish_reason is None:
+                    result.reqs_to_abort.append(state.internal_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+            completion = state.completion(out.new_token_ids, finish_reason, stop_reason)
+            if finish_reason is not None:
+                self._forget(state)
+            if completion is not None:
+                request_output = self._request_output(state, completion)
+                if request_output is not None:
+                    result.request_outputs.append(request_output)
+        return result
+
+    def abort_requests(self, internal_ids: list[str]) -> list[RequestOutput]:
+        """Forget these requests; return a final 'abort' output for each user request that
+        thereby ends (the caller aborts them in the core)."""
+        request_outputs = []
+        for internal_id in internal_ids:
+            state = self.request_states.get(internal_id)
+            if state is None:
+                continue
+            state.update([], FinishReason.ABORT)  # release held-back text
+            completion = state.completion([], FinishReason.ABORT, None)
+            self._forget(state)
+            request_output = self._request_output(state, completion)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return request_outputs
+
+    def abort_user_requests(self, user_request_ids: list[str]) -> list[str]:
+        """Forget these user requests (all n children); return the internal ids to abort in
+        the core. No outputs: the user who cancels is not waiting for one."""
+        internal_ids = []
+        for user_id in user_request_ids:
+            for internal_id in self.user_requests.pop(user_id, []):
+                self.request_states.pop(internal_id, None)
+                internal_ids.append(internal_id)
+        return internal_ids
+
+    def get_internal_ids(self, user_request_id: str) -> list[str]:
+        """The unfinished engine-core ids of a user request."""
+        return list(self.user_requests.get(user_request_id, []))
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def _check_new_user_id(self, user_request_id: str) -> None:
+        if user_request_id in self.user_requests:
+            raise ValueError(f"request_id {user_request_id!r} is already running")
+
+    def _fail(self, state: RequestState, error: str, result: ProcessedOutputs) -> None:
+        """A request failed: end it (and its n > 1 siblings, which the core must drop too)
+        with one final 'error' output, and record the error for the caller to raise."""
+        user_id = state.user_request_id
+        result.errors[user_id] = error
+        for internal_id in self.user_requests.get(user_id, []):
+            if internal_id != state.internal_id:
+                result.reqs_to_abort.append(internal_id)
+        self.abort_user_requests([user_id])
+        completion = state.completion([], FinishReason.ERROR, None)
+        result.request_outputs.append(
+            self._make_request_output(state, [completion] if completion else [], True)
+        )
+
+    def _forget(self, state: RequestState) -> None:
+        self.request_states.pop(state.internal_id, None)
+        siblings = self.user_requests.get(state.user_request_id)
+        if siblings is not None:
+            siblings.remove(state.internal_id)
+            if not siblings:
+                del self.user_requests[state.user_request_id]
+
+    def _request_output(
+        self, state: RequestState, completion: CompletionOutput
+    ) -> RequestOutput | None:
+        if state.parent is None:
+            return self._make_request_output(state, [completion], completion.finished())
+        completions = state.parent.add_child_output(completion)
+        if completions is None:
+            return None
+        return self._make_request_output(state, completions, state.parent.finished)
+
+    @staticmethod
+    def _make_request_output(
+        state: RequestState, completions: list[CompletionOutput], finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.user_request_id,
+            prompt=state.prompt_text,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )
