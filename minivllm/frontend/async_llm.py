@@ -1,0 +1,161 @@
+"""`AsyncLLM`: the asyncio API. `generate()` is an async generator of `RequestOutput`s;
+cancelling the task that consumes it (or leaving the loop early) aborts the request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from minivllm.config import EngineArgs, EngineConfig, ModelConfig
+from minivllm.exceptions import EngineDeadError
+from minivllm.frontend.core_client import AsyncMPClient
+from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.output_processor import OutputProcessor
+from minivllm.frontend.tokenizer import load_tokenizer
+from minivllm.outputs import RequestOutput
+from minivllm.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Spawns its own engine-core (`from_engine_args`) or attaches to a daemon (`connect`)."""
+
+    def __init__(self, model_config: ModelConfig, client: AsyncMPClient) -> None:
+        self.model_config = model_config
+        self.client = client
+        skip = model_config.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(model_config.tokenizer)
+        self.input_processor = InputProcessor(model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._handler: asyncio.Task | None = None
+        self.dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        config: EngineConfig = engine_args.create_engine_config()
+        return cls(config.model, AsyncMPClient(config))
+
+    @classmethod
+    def connect(cls, address: str) -> AsyncLLM:
+        """Attach to a running `minivllm engine-core` daemon at `address`."""
+        client = AsyncMPClient.connect(address)
+        info = client.info
+        args = EngineArgs(
+            model=info.model,
+            tokenizer=info.tokenizer,
+            max_model_len=info.max_model_len,
+            device="cpu",  # only the model's metadata is needed here
+        )
+        return cls(args.create_engine_config().model, client)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead is not None
+
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request; raises ValueError for bad input and
+        EngineDeadError if the engine dies meanwhile."""
+        if self.dead is not None:
+            raise self.dead
+        self._ensure_handler()
+        requests = self.output_processor.add_user_request(
+            request_id, prompt, sampling_params, self.input_processor
+        )
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for request in requests:
+                await self.client.add_request_async(request)
+            while not finished:
+                out = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for r in ids:
+            self._abort_now(r)
+            queue = self._queues.pop(r, None)
+            if queue is not None:
+                queue.put_nowait(asyncio.CancelledError(f"request {r} was aborted"))
+
+    def _abort_now(self, request_id: str) -> None:
+        internal = self.output_processor.abort_user_requests([request_id])
+        if internal and self.dead is None:
+            task = asyncio.ensure_future(self.client.abort_requests_async(internal))
+            task.add_done_callback(_log_failure)
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.create_task(self._output_handler(), name="output-handler")
+
+    async def _output_handler(self) -> None:
+        """Route each step's outputs to the queues of the requests they belong to."""
+        try:
+            while True:
+                outputs = await self.client.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                for request_id, error in processed.errors.items():
+                    queue = self._queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(ValueError(f"request {request_id} failed: {error}"))
+                for out in processed.request_outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None and out.request_id not in processed.errors:
+                        queue.put_nowait(out)
+                if processed.reqs_to_abort:
+                    await self.client.abort_requests_async(processed.reqs_to_abort)
+        except EngineDeadError as e:
+            self.dead = e
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave callers hanging
+            logger.exception("output handler failed")
+            self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
+            for queue in self._queues.values():
+                queue.put_nowait(self.dead)
+
+    async def get_stats(self) -> dict:
+        return await self.client.call_utility_async("stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def check_health(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        await self.client.call_utility_async("health")
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self.client.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.shutdown()
+
+
+def _log_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not send an abort: %s", task.exception())
