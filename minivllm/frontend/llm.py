@@ -7,10 +7,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from minivllm.config import EngineArgs
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
-from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -51,6 +53,8 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 request_id = str(next(self._counter))
+                # only the final output is wanted: no per-step copies of growing outputs
+                params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(request_id, prompt, params)
                 ids.append(request_id)
         except Exception:
