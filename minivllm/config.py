@@ -152,7 +152,9 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.distributed_executor_backend not in _EXECUTORS:
@@ -164,8 +166,12 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
-                     "kv_cache_memory_bytes"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
