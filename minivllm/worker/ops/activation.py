@@ -1,0 +1,41 @@
+"""SwiGLU activation: silu(gate) * up over a fused [T, 2I] gate_up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.worker.ops._triton import tl, triton, use_triton
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # rounded like F.silu
+    tl.store(out_ptr + row * stride_out + offs, (act * up.to(tl.float32)).to(up.dtype), mask=mask)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :I]) * x[..., I:] for x of last dimension 2I (gate first, then up)."""
+    if not use_triton(x):
+        return silu_and_mul_torch(x)
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, d)
+    grid = (x2.shape[0], triton.cdiv(d, _BLOCK))
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=_BLOCK)
+    return out

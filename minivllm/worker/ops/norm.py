@@ -1,0 +1,92 @@
+"""RMSNorm and fused residual-add + RMSNorm (one read of x and residual, one write of each).
+
+Numerics follow HF transformers: the residual sum is rounded to the input dtype, the norm is
+computed in float32, rounded to the input dtype, then multiplied by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.worker.ops._triton import next_power_of_2, tl, triton, use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    stride_x, stride_res, stride_out, stride_new_res, n_cols, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, x.shape[-1])
+    res2 = new_res = new_res2 = None
+    if residual is not None:
+        res2 = _rows(residual)
+        new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_res2 = new_res.view(-1, x.shape[-1])
+    n_cols = x.shape[-1]
+    block = next_power_of_2(n_cols)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, x2 if res2 is None else res2, weight, out2, out2 if new_res2 is None else new_res2,
+        x2.stride(0), 0 if res2 is None else res2.stride(0), out2.stride(0),
+        0 if new_res2 is None else new_res2.stride(0), n_cols, eps,
+        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+    return out, new_res
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_torch(new_residual, weight, eps), new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension; a new tensor."""
+    if not use_triton(x):
+        return rms_norm_torch(x, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), both new tensors (the inputs are not modified)."""
+    if not use_triton(x):
+        return fused_add_rms_norm_torch(x, residual, weight, eps)
+    out, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None
+    return out, new_residual

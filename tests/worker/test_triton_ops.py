@@ -1,0 +1,204 @@
+"""Fused ops and the sampler: Triton kernels against their torch versions.
+
+As in test_triton_attention: on CUDA the checks run directly (`gpu` marker); on CPU they run
+under the Triton interpreter in a subprocess. The torch paths are also checked without triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.worker.ops import rotary, sampling
+from minivllm.worker.ops.activation import silu_and_mul, silu_and_mul_torch
+from minivllm.worker.ops.norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_torch,
+    rms_norm,
+    rms_norm_torch,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def check_norm_and_activation(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    x = torch.randn(5, 3, 96, generator=gen).to(dtype=dtype, device=device)  # 96: masked tail
+    res = torch.randn(5, 3, 96, generator=gen).to(dtype=dtype, device=device)
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype=dtype, device=device)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), **tol)
+    x0, res0 = x.clone(), res.clone()
+    out, new_res = fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm_torch(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, **tol)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+    gate_up = torch.randn(7, 2 * 1100, generator=gen).to(dtype=dtype, device=device)
+    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), **tol)
+    assert silu_and_mul(gate_up).shape == (7, 1100)
+
+
+def check_qk_norm_rope(device: str, dtype: torch.dtype, apply_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, hq, hk, d = 6, 4, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype=dtype, device=device)
+    q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer has them
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    q_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+    k_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+    cache = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary.qk_norm_rope_torch(q_ref, k_ref, q_w, k_w, cache, positions, 1e-6, apply_norm)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    rotary.qk_norm_rope(q, k, q_w, k_w, cache, positions, 1e-6, apply_norm)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, **tol)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before)  # v untouched
+
+
+def check_sampler(sample_fn, device: str, draws: int = 2000) -> None:  # noqa: ANN001
+    """`draws` independent draws check the distribution (fewer under the slow interpreter)."""
+    gen = torch.Generator().manual_seed(2)
+    n, vocab = 4, 9000  # several vocab tiles, so rows split into chunks
+    logits = torch.randn(n, vocab, generator=gen).to(device) * 3
+
+    def params(temp: float, k: int = 0, p: float = 1.0, mp: float = 0.0, rows: int = n) -> dict:
+        return {
+            "temperature": torch.full((rows,), temp, device=device),
+            "top_k": torch.full((rows,), k, dtype=torch.int32, device=device),
+            "top_p": torch.full((rows,), p, device=device),
+            "min_p": torch.full((rows,), mp, device=device),
+            "seeds": torch.arange(rows, device=device) * 7 + 1,
+            "positions": torch.arange(rows, device=device) + 100,
+        }
+
+    argmax = logits.argmax(-1)
+    assert torch.equal(sample_fn(logits, **params(0.0)), argmax)  # greedy
+    assert torch.equal(sample_fn(logits, **params(0.8, k=1)), argmax)  # top-k 1
+    ties = torch.zeros(2, vocab, device=device)
+    ties[:, [1034, 10, 4100, 8200]] = 1.0  # greedy takes the first of equal maxima
+    assert sample_fn(ties, **params(0.0, rows=2)).tolist() == [10, 10]
+
+    one_pass = {**params(1.0), "top_k": None, "top_p": None, "min_p": None}
+    first = sample_fn(logits, **one_pass)
+    assert torch.equal(first, sample_fn(logits, **one_pass))  # reproducible
+    assert not torch.equal(first, argmax)
+    # each row's draw depends only on its own (seed, position): a batch of 1 and a shuffled,
+    # larger batch agree
+    for i in range(n):
+        single = {key: (v[i : i + 1] if v is not None else None) for key, v in one_pass.items()}
+        assert sample_fn(logits[i : i + 1], **single).item() == first[i].item()
+    order = torch.randperm(n, generator=gen).to(device)
+    shuffled = {key: (v[order] if v is not None else None) for key, v in one_pass.items()}
+    assert torch.equal(sample_fn(logits[order], **shuffled), first[order])
+
+    # filtered tokens are never drawn (many positions = many independent draws)
+    rows, vocab = 32, 3000
+    row = torch.randn(vocab, generator=gen).to(device) * 2
+    many = row.expand(rows, vocab).contiguous()
+    rank = torch.empty(vocab, dtype=torch.long, device=device)
+    rank[row.argsort(descending=True)] = torch.arange(vocab, device=device)
+    probs = row.softmax(-1)
+    sorted_probs = probs.sort(descending=True).values
+    in_top_p = (sorted_probs.cumsum(0) - sorted_probs < 0.3)[rank]
+    for kwargs, allowed in [
+        ({"k": 3}, rank < 3),
+        ({"p": 0.3}, in_top_p),
+        ({"mp": 0.2}, probs >= 0.2 * probs.max()),
+        ({"k": 50, "p": 0.5, "mp": 0.05}, (rank < 50) & (probs >= 0.05 * probs.max())),
+    ]:
+        got = sample_fn(many, **params(1.0, rows=rows, **kwargs))
+        assert allowed[got].all(), kwargs
+        assert got.unique().numel() > 1, kwargs  # still random
+
+    # the draws follow softmax(logits / T)
+    temp = 0.7
+    small = torch.tensor([1.0, 0.5, 0.0, -1.0, 2.0, -math.inf, 1.5, 0.2], device=device)
+    got = sample_fn(small.expand(draws, -1).contiguous(), **params(temp, rows=draws))
+    freq = torch.bincount(got, minlength=8).float() / draws
+    atol = 4 * 0.5 / math.sqrt(draws)  # 4 standard deviations at worst
+    torch.testing.assert_close(freq, (small / temp).softmax(-1), atol=atol, rtol=0)
+
+
+def test_torch_paths_and_rope_cache() -> None:
+    check_norm_and_activation("cpu", torch.float32)  # without the interpreter: torch paths
+    check_qk_norm_rope("cpu", torch.float32, True)
+    check_sampler(sampling.sample_reference, "cpu")
+    cache = rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu")
+    angles = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])  # theta^(-2i/d)
+    torch.testing.assert_close(cache, torch.cat([angles.cos(), angles.sin()], -1))
+    with pytest.raises(ValueError, match="yarn"):
+        rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu", {"rope_type": "yarn"})
+
+
+def test_llama3_rope_matches_transformers() -> None:
+    rope_init = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(head_dim=128, hidden_size=4096, num_attention_heads=32)
+    config.rope_parameters = {"rope_theta": 500000.0, **scaling}
+    inv_freq, _ = rope_init.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    cache = rotary.build_cos_sin_cache(16384, 128, 500000.0, torch.float32, "cpu", scaling)
+    pos = torch.tensor([0, 1, 1000, 16383])
+    freqs = pos[:, None].float() * inv_freq[None, :].float()
+    torch.testing.assert_close(cache[pos], torch.cat([freqs.cos(), freqs.sin()], -1))
+
+
+def _interpret(*checks: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, __file__, *checks], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("checks", [["norm", "rope"], ["sampler"]])
+def test_triton_ops_interpreted(checks: list[str]) -> None:
+    _interpret(*checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_ops_gpu(dtype: torch.dtype) -> None:
+    check_norm_and_activation("cuda", dtype)
+    check_qk_norm_rope("cuda", dtype, True)
+    check_qk_norm_rope("cuda", dtype, False)
+
+
+@pytest.mark.gpu
+def test_sampler_gpu() -> None:
+    check_sampler(sampling.sample, "cuda")
+
+
+if __name__ == "__main__":  # the interpreted run: python this_file.py CHECK...
+    from minivllm.worker.ops._triton import interpreting
+
+    assert interpreting()
+    for check in sys.argv[1:]:
+        if check == "norm":
+            check_norm_and_activation("cpu", torch.float32)
+        elif check == "rope":
+            check_qk_norm_rope("cpu", torch.float32, True)
+            check_qk_norm_rope("cpu", torch.float32, False)
+        elif check == "sampler":
+            check_sampler(sampling.sample, "cpu", draws=300)
+        print("ok", check)
