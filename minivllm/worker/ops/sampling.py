@@ -1,0 +1,172 @@
+"""Token sampling on the device without host syncs: greedy, or Gumbel-max with filtering.
+
+A random row draws argmax(logits / T + g) where g is Gumbel noise from Philox keyed by
+(seed, position, vocab index): the same request at the same position draws the same token
+whatever else is in the batch. Filters (min-p, then top-k, then top-p over what min-p and
+top-k kept, the vLLM order) become one per-row threshold on the raw logits; the kernel skips
+tokens below it. Without top-k/top-p the whole sampler is one pass over the logits (plus a row
+max when min-p is given); with them a torch.sort finds the thresholds, still on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.worker.ops._triton import tl, triton, use_triton
+
+GREEDY_EPS = 1e-5  # temperature below this means greedy
+_QUARTER = 1024  # a tile is 4 quarters: one Philox call gives the 4 quarters' random numbers
+
+
+@triton.jit
+def _gumbel_quarter(logits_row, idx, vocab, bits, greedy, inv_t, threshold, best_val, best_idx):
+    logit = tl.load(logits_row + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    u = tl.random.uint_to_uniform_float(bits)
+    z = tl.where(greedy, logit, logit * inv_t - tl.log(-tl.log(u)))
+    z = tl.where(logit >= threshold, z, float("-inf"))
+    better = z > best_val  # strict: each lane keeps its first maximum (lowest index)
+    return tl.where(better, z, best_val), tl.where(better, idx, best_idx)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
+    part_idx_ptr, vocab, tiles_per_chunk,
+    NUM_CHUNKS: tl.constexpr, QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temp = tl.load(temp_ptr + row)
+    greedy = temp < 1e-5
+    inv_t = 1.0 / tl.where(greedy, 1.0, temp)
+    threshold = float("-inf")
+    if HAS_THRESHOLD:
+        threshold = tl.where(greedy, float("-inf"), tl.load(threshold_ptr + row))
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    offs = tl.arange(0, QUARTER)
+    zero = tl.zeros([QUARTER], tl.uint32)
+    pos_lo = zero + (pos & 0xFFFFFFFF).to(tl.uint32)
+    pos_hi = zero + (pos >> 32).to(tl.uint32)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_row
+    best_val = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.zeros([QUARTER], tl.int32)
+    num_tiles = tl.cdiv(vocab, 4 * QUARTER)
+    tile_start = chunk * tiles_per_chunk
+    for tile in range(tile_start, tl.minimum(tile_start + tiles_per_chunk, num_tiles)):
+        counter = (tile * QUARTER + offs).to(tl.uint32)
+        r0, r1, r2, r3 = tl.philox(seed, counter, pos_lo, pos_hi, zero)
+        base = tile * 4 * QUARTER + offs
+        best_val, best_idx = _gumbel_quarter(
+            logits_row, base, vocab, r0, greedy, inv_t, threshold, best_val, best_idx
+        )
+        best_val, best_idx = _gumbel_quarter(
+            logits_row, base + QUARTER, vocab, r1, greedy, inv_t, threshold, best_val, best_idx
+        )
+        best_val, best_idx = _gumbel_quarter(
+            logits_row, base + 2 * QUARTER, vocab, r2, greedy, inv_t, threshold, best_val, best_idx
+        )
+        best_val, best_idx = _gumbel_quarter(
+            logits_row, base + 3 * QUARTER, vocab, r3, greedy, inv_t, threshold, best_val, best_idx
+        )
+    top = tl.max(best_val, 0)
+    top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
+    tl.store(part_val_ptr + row * NUM_CHUNKS + chunk, top)
+    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, top_idx)
+
+
+def keep_threshold(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Per row, the smallest raw logit a random draw may pick (-inf: no filter); None when no
+    filter was asked for. Filters apply to softmax(logits / T): min-p, top-k, then top-p."""
+    if top_k is None and top_p is None:
+        if min_p is None:
+            return None
+        # p_i >= min_p * p_max  <=>  l_i >= l_max + T * log(min_p)
+        row_max = logits.amax(-1).float()
+        bound = row_max + temperature * torch.log(min_p.clamp_min(1e-30))
+        return torch.where(min_p > 0, bound, float("-inf"))
+    sorted_logits = logits.float().sort(-1, descending=True).values
+    t = temperature.clamp_min(GREEDY_EPS)[:, None]
+    scaled = sorted_logits / t
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if min_p is not None:
+        probs = scaled.softmax(-1)
+        keep &= probs >= min_p[:, None] * probs[:, :1]
+    if top_k is not None:
+        keep &= ranks[None, :] < torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    if top_p is not None:
+        probs = scaled.masked_fill(~keep, float("-inf")).softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+    last_kept = keep.sum(-1).clamp_min(1) - 1  # every filter keeps a prefix of the sorted row
+    return sorted_logits.gather(1, last_kept[:, None]).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Token ids [N] int64 for logits [N, V], without a host sync.
+
+    temperature [N] f32 (< 1e-5: greedy argmax, first index on ties); top_k [N] i32 (0: off);
+    top_p [N] f32 (1: off); min_p [N] f32 (0: off); seeds [N] i64; positions [N] i64 (the
+    position of the token being sampled). Pass None for a filter no row uses: with top_k and
+    top_p both None the sampler is a single pass over the logits. CPU tensors (outside the
+    Triton interpreter) go to `sample_reference`.
+    """
+    if not use_triton(logits):
+        return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions)
+    assert logits.stride(-1) == 1
+    num_rows, vocab = logits.shape
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
+    num_tiles = triton.cdiv(vocab, 4 * _QUARTER)
+    chunks = max(1, min(num_tiles, triton.cdiv(1024, max(1, num_rows))))  # ~1024 programs
+    tiles_per_chunk = triton.cdiv(num_tiles, chunks)
+    part_val = torch.empty((num_rows, chunks), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((num_rows, chunks), dtype=torch.int32, device=logits.device)
+    _sample_kernel[(num_rows, chunks)](
+        logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
+        seeds, positions, part_val, part_idx, vocab, tiles_per_chunk,
+        NUM_CHUNKS=chunks, QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, num_warps=8,
+    )  # fmt: skip
+    if chunks == 1:
+        return part_idx[:, 0].long()
+    return part_idx.gather(1, part_val.argmax(1, keepdim=True)).squeeze(1).long()
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """`sample`'s semantics in plain torch (a loop over random rows, host syncs included);
+    the random numbers differ from the kernel's, but are also keyed by (seed, position)."""
+    logits32 = logits.float()
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
+    out = logits32.argmax(-1)
+    for i in torch.nonzero(temperature >= GREEDY_EPS).flatten().tolist():
+        row = logits32[i]
+        if threshold is not None:
+            row = row.masked_fill(row < threshold[i], float("-inf"))
+        probs = (row / temperature[i]).softmax(-1)
+        key = (int(seeds[i]) * 0x9E3779B97F4A7C15 + int(positions[i])) % 2**63
+        gen = torch.Generator(device=logits.device).manual_seed(key)
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        out[i] = (probs / noise).argmax()  # exponential race == Gumbel-max
+    return out
