@@ -113,3 +113,25 @@ def build_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos_token_ids if eos_token_ids is not None else [0]}, f)
     return out_dir
+
+
+def build_null_checkpoint(out_dir: str, **extra_config: object) -> str:
+    """A config.json for the null model (no weights) plus the tiny tokenizer."""
+    os.makedirs(out_dir, exist_ok=True)
+    config = {
+        "architectures": ["MiniVllmNullForCausalLM"],
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 0,
+        "torch_dtype": "float32",
+        **extra_config,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    build_tokenizer(out_dir)
+    return out_dir

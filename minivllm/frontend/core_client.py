@@ -323,8 +323,10 @@ class AsyncMPClient(_MPClient):
         return cls(address=address)
 
     def _ensure_started(self) -> None:
-        if self._tasks:
+        if self._tasks and not any(t.done() for t in self._tasks):
             return
+        for task in self._tasks:  # a previous event loop's, if any
+            task.cancel()
         self.outputs = asyncio.Queue()
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-core-outputs"),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from minivllm.config import ModelConfig
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
+from minivllm.worker.models.null_model import NullForCausalLM
 
 _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "LlamaForCausalLM": (CausalLM, DecoderVariant()),
     "MistralForCausalLM": (CausalLM, DecoderVariant()),
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
 

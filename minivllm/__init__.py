@@ -1,0 +1,22 @@
+"""mini-vllm: a readable vLLM-V1-style inference engine."""
+
+from minivllm.config import EngineArgs
+from minivllm.exceptions import EngineDeadError, EngineStartupError
+from minivllm.frontend.async_llm import AsyncLLM
+from minivllm.frontend.llm import LLM
+from minivllm.frontend.llm_engine import LLMEngine
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "LLMEngine",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineDeadError",
+    "EngineStartupError",
+]

@@ -1,0 +1,39 @@
+"""A model that costs nothing: for measuring the engine around the model.
+
+`architectures: ["MiniVllmNullForCausalLM"]` in a config.json selects it. Every step still
+goes through scheduling, the wire, input preparation, sampling and detokenization; only the
+forward pass is gone. The token it "predicts" at position p is a fixed function of p.
+For fault-injection tests, `"null_fail_at_position": P` in config.json makes the forward
+raise once any position reaches P.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+_FIRST_ID = 16  # stay clear of special tokens at the bottom of small vocabularies
+
+
+class NullForCausalLM(nn.Module):
+    def __init__(self, model_config, variant, tp, attn_backend, params_dtype=None) -> None:
+        super().__init__()
+        self.vocab_size = model_config.vocab_size
+        self.fail_at = model_config.hf_config.get("null_fail_at_position")
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        if self.fail_at is not None and int(positions.max()) >= self.fail_at:
+            raise RuntimeError(f"injected failure at position {self.fail_at}")
+        return positions.to(torch.float32)[:, None]  # the "hidden state" is the position
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        span = max(self.vocab_size - _FIRST_ID, 1)
+        token = (hidden[:, 0].long() * 7919) % span + _FIRST_ID
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, device=hidden.device)
+        return logits.scatter_(1, token[:, None], 1.0)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        pass  # nothing to load

@@ -1,0 +1,48 @@
+"""Helpers for tests that watch processes come and go."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Direct children of `pid` started by multiprocessing's spawn (engine processes)."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until none of `pids` is alive (zombies count as gone); return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.2)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
