@@ -1,0 +1,133 @@
+"""Deaths and garbage: every waiting caller hears of a dead engine in seconds, no process
+is left behind, and nothing sent to a socket is ever executed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import random
+import signal
+import time
+
+import psutil
+import pytest
+import uvloop
+import zmq
+
+from minivllm import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
+from tests.process_helpers import spawned_children, wait_gone
+from tests.tiny_models import build_null_checkpoint
+
+
+@pytest.fixture(scope="module")
+def null_dir(tmp_path_factory) -> str:
+    return build_null_checkpoint(str(tmp_path_factory.mktemp("null")))
+
+
+@pytest.fixture(scope="module")
+def failing_null_dir(tmp_path_factory) -> str:
+    return build_null_checkpoint(str(tmp_path_factory.mktemp("fail")), null_fail_at_position=200)
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+
+async def _stream(llm: AsyncLLM, i: int, started: asyncio.Event) -> BaseException | None:
+    try:
+        async for _ in llm.generate([1, 2, 3, i + 4], _params(3000), request_id=f"r{i}"):
+            started.set()
+    except BaseException as e:  # noqa: BLE001 - the test inspects what each caller got
+        return e
+    return None
+
+
+def _run_and_kill(model_dir: str, kill) -> tuple[list, float, list[int]]:
+    """Start 8 streams, then `kill(core_pid, worker_pid)`; return what each caller got, how
+    long the last one waited after the kill, and the engine's pids."""
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir))
+    core = spawned_children(os.getpid())[-1]
+    worker = spawned_children(core)[0]
+
+    async def main():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(_stream(llm, i, started)) for i in range(8)]
+        await asyncio.wait_for(started.wait(), 30)
+        killed_at = time.monotonic()
+        kill(core, worker)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return results, time.monotonic() - killed_at
+
+    try:
+        results, waited = uvloop.run(main())
+    finally:
+        llm.shutdown()
+    return results, waited, [core, worker]
+
+
+@pytest.mark.parametrize("victim", ["engine-core", "worker"])
+def test_sigkill_reaches_every_caller(null_dir: str, victim: str) -> None:
+    def kill(core: int, worker: int) -> None:
+        os.kill(core if victim == "engine-core" else worker, signal.SIGKILL)
+
+    results, waited, pids = _run_and_kill(null_dir, kill)
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert waited < 5.0
+    assert wait_gone(pids, timeout=15) == []
+
+
+def test_exception_in_forward_reaches_every_caller(failing_null_dir: str) -> None:
+    results, waited, pids = _run_and_kill(failing_null_dir, lambda core, worker: None)
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert "injected failure" in str(results[0])
+    assert wait_gone(pids, timeout=15) == []
+
+
+class _Boom:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))  # unpickling this would create the file
+
+
+def test_garbage_on_every_socket_is_dropped(null_dir: str, tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    payloads = [pickle.dumps(_Boom(str(marker)), protocol=p) for p in (0, 2, 5)]
+    rng = random.Random(0)
+    payloads += [rng.randbytes(rng.randint(0, 300)) for _ in range(40)]
+    payloads += [b"R" + p for p in payloads[:3]]  # a valid tag before a pickle
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=null_dir))
+    core = spawned_children(os.getpid())[-1]
+
+    async def generate(request_id: str) -> list[int]:
+        outs = [o async for o in llm.generate("Hello", _params(20), request_id=request_id)]
+        return [t for o in outs for t in o.outputs[0].token_ids]
+
+    loop = uvloop.new_event_loop()
+    try:
+        before = loop.run_until_complete(generate("a"))
+        sockets = [c.laddr for c in psutil.Process(core).net_connections(kind="unix") if c.laddr]
+        sockets = [s for s in sockets if os.path.basename(s) in ("input", "output", "results")]
+        assert len(sockets) == 3, sockets
+        ctx = zmq.Context()
+        for path in sockets:
+            kind = zmq.PUSH if path.endswith("results") else zmq.DEALER
+            sock = ctx.socket(kind)
+            sock.connect(f"ipc://{path}")
+            for payload in payloads:
+                sock.send_multipart([payload])
+                sock.send_multipart([payload, payload])
+            sock.close(linger=2000)
+        ctx.term()
+        time.sleep(1.0)
+        after = loop.run_until_complete(generate("b"))
+    finally:
+        llm.shutdown()
+        loop.close()
+    assert not marker.exists()
+    assert after == before, "the engine keeps serving, unharmed"

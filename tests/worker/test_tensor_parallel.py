@@ -1,0 +1,66 @@
+"""Tensor parallelism across worker processes (gloo on CPU): the same greedy tokens as one
+rank, and a dead rank brings the engine down cleanly instead of hanging its peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import uvloop
+
+from minivllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
+from tests.hf_reference import hf_greedy, parity_prompts
+from tests.process_helpers import spawned_children, wait_gone
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama"])
+def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str) -> None:
+    path = tiny_models[model]
+    prompts = parity_prompts()[:5]
+    expected = hf_greedy(path, prompts, 10)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2)
+    try:
+        core = spawned_children(os.getpid())[-1]
+        assert len(spawned_children(core)) == 2, "one worker process per rank"
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_killing_one_rank_reaches_every_caller(qwen3_dir: str) -> None:
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model=qwen3_dir, dtype="float32", tensor_parallel_size=2)
+    )
+    core = spawned_children(os.getpid())[-1]
+    workers = spawned_children(core)
+    params = SamplingParams(max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def stream(i: int, started: asyncio.Event):
+        try:
+            async for _ in llm.generate([1, 2, 3, i + 4], params, request_id=f"r{i}"):
+                started.set()
+        except EngineDeadError as e:
+            return e
+        return None
+
+    async def main():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(stream(i, started)) for i in range(4)]
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return results, time.monotonic() - killed
+
+    try:
+        results, waited = uvloop.run(main())
+    finally:
+        llm.shutdown()
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert waited < 5.0
+    assert wait_gone([core, *workers], timeout=15) == []
