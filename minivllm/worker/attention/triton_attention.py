@@ -133,7 +133,9 @@ def _merge_kernel(
     lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf: weights 0, output 0
-    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None])
+    parts = tl.load(
+        part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0
+    )
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(
