@@ -90,6 +90,7 @@ def _decode_kernel(
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
         block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
         k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
@@ -182,6 +183,7 @@ def _prefill_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
         k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
