@@ -32,7 +32,10 @@ def failing_null_dir(tmp_path_factory) -> str:
 
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
     )
 
 
