@@ -55,12 +55,12 @@ CORE_TO_FRONTEND: tuple[type, ...] = (EngineCoreOutputs, UtilityResult, Handshak
 CORE_TO_WORKER: tuple[type, ...] = (SchedulerOutput, WorkerControl, Handshake)
 WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Handshake)
 
-# Off by default: while the fields are Python lists, building the int32 array costs ~19 ns
-# per id against ~3 ns for msgspec to write the list inline, and decoding costs the same
-# either way (benchmarks/ipc_roundtrip.py: a 256 x 512-token prefill step encodes in 0.6 ms
-# inline, 3 ms as frames). Frames pay off once senders and receivers hold numpy arrays.
-DEFAULT_AUX_THRESHOLD: int | None = None
-ID_FRAME_THRESHOLD = 256  # a sensible threshold when turning id frames on
+# Long id lists leave the msgpack body as raw int32 frames (zero-copy on the wire, and a
+# receiver could keep them as arrays). Building the array from a Python list costs ~19 ns
+# per id against ~3 ns inline (benchmarks/ipc_roundtrip.py), which matters only for a
+# burst of long prompts in one step: 3 ms instead of 0.6 ms for 256 x 512 tokens, once.
+DEFAULT_AUX_THRESHOLD: int | None = 256
+ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 
 _INT32 = np.dtype("<i4")  # explicit byte order: tcp:// peers may differ in endianness
 Frames = list[bytes | memoryview]
