@@ -1,0 +1,75 @@
+"""Shared pieces of the `minivllm bench` commands: the model directory and engine args."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from minivllm.config import EngineArgs
+from minivllm.frontend.arg_utils import engine_args_from
+from minivllm.frontend.bench.geometry import (
+    DEFAULT_CPU_GEOMETRY,
+    DEFAULT_GPU_GEOMETRY,
+    GEOMETRIES,
+    write_geometry,
+)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--geometry",
+        choices=sorted(GEOMETRIES),
+        default=None,
+        help="without --model: random weights of this shape (default: qwen3-0.6b on CUDA, "
+        "qwen3-cpu-tiny on CPU)",
+    )
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
+    """(directory, geometry name or None): --model as given, else a temp dir holding the
+    config.json of a real geometry (weights are random: `load_format="dummy"`)."""
+    if args.model:
+        yield args.model, None
+        return
+    geometry = args.geometry or (
+        DEFAULT_GPU_GEOMETRY if resolve_device(args.device) == "cuda" else DEFAULT_CPU_GEOMETRY
+    )
+    with tempfile.TemporaryDirectory(prefix=f"minivllm-{geometry}-") as d:
+        yield write_geometry(geometry, d), geometry
+
+
+def bench_engine_args(
+    args: argparse.Namespace, model: str, geometry: str | None, **overrides: Any
+) -> EngineArgs:
+    """EngineArgs from the command line; a geometry gets dummy weights and token-id prompts
+    need no tokenizer (vLLM's benchmarks skip it too)."""
+    values: dict[str, Any] = {"model": model, "skip_tokenizer_init": True}
+    if geometry is not None:
+        values["load_format"] = "dummy"
+    values.update(overrides)
+    return engine_args_from(args, **values)
+
+
+def max_token_id(model: str) -> int:
+    """The largest id a random prompt may use: 10000 (vLLM's and the reference workload's
+    range) unless the model's vocabulary is smaller."""
+    with open(os.path.join(model, "config.json")) as f:
+        return min(10000, int(json.load(f)["vocab_size"]) - 1)
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": p} for p in prompts]

@@ -1,0 +1,65 @@
+"""The same workload through HF transformers `generate`, the baseline people quote
+(PERF_NOTES: batches of 64 sorted by length, random weights)."""
+
+from __future__ import annotations
+
+import time
+
+from minivllm.frontend.bench.throughput import RunResult
+from minivllm.frontend.bench.workloads import Workload
+
+
+def run_hf(
+    model_dir: str,
+    workload: Workload,
+    device: str,
+    temperature: float,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> RunResult:
+    """Random weights from the model's config.json (bf16 on CUDA, fp32 on CPU); each batch
+    generates max-of-batch tokens, but only each request's own output length counts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device).eval()
+    order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    counted = 0
+    start = time.perf_counter()
+    for batch in batches:
+        ids, mask = _left_pad([workload.prompts[i] for i in batch], device)
+        new = max(workload.output_lens[i] for i in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,  # ignore_eos: random weights may sample an EOS id
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+        counted += sum(workload.output_lens[i] for i in batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model
+    return RunResult(elapsed, len(workload.prompts), workload.num_prompt_tokens, counted)
+
+
+def _left_pad(prompts: list[list[int]], device: str):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,217 @@
+"""`minivllm bench throughput`: offline throughput, printed the way vLLM's
+`vllm bench throughput` prints it, plus the memory-traffic floor on CUDA.
+
+Default workload: the reference workload of PERF_NOTES (256 requests, 142,827 prompt and
+133,966 output tokens, temperature 0.6, ignore_eos). --num-prompts / --input-len /
+--output-len switch to vLLM's random dataset of fixed shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from minivllm.frontend.arg_utils import add_engine_args
+from minivllm.frontend.bench.common import (
+    add_model_args,
+    bench_engine_args,
+    max_token_id,
+    model_dir,
+    token_prompts,
+)
+from minivllm.frontend.bench.workloads import (
+    REFERENCE_TEMPERATURE,
+    Workload,
+    random_workload,
+    reference_workload,
+)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class RunResult:
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "throughput",
+        help="offline throughput (vLLM's `bench throughput`)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dataset-name", choices=["random"], default="random")
+    p.add_argument("--num-prompts", type=int, default=None, help="fixed shapes (default 1000)")
+    p.add_argument("--input-len", type=int, default=None, help="fixed shapes (default 1024)")
+    p.add_argument("--output-len", type=int, default=None, help="fixed shapes (default 128)")
+    p.add_argument("--temperature", type=float, default=REFERENCE_TEMPERATURE)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
+    p.add_argument("--compare-num-prompts", type=int, default=64)
+    p.add_argument("--output-json", default=None, help="write the figures to this file")
+    add_model_args(p)
+    add_engine_args(p, model_required=False)
+    p.set_defaults(func=main)
+
+
+def build_workload(args: argparse.Namespace, max_id: int = 10000) -> Workload:
+    if args.num_prompts is None and args.input_len is None and args.output_len is None:
+        return reference_workload()
+    return random_workload(
+        args.num_prompts or 1000,
+        args.input_len or 1024,
+        args.output_len or 128,
+        seed=args.seed,
+        vocab_limit=max_id,
+    )
+
+
+def run_minivllm(llm: Any, workload: Workload, temperature: float) -> RunResult:
+    """Warm up on a few other prompts (so the prefix cache gives the timed run nothing),
+    then time one `generate` of the whole workload."""
+    from minivllm.protocol.sampling_params import SamplingParams
+
+    max_id = max(max(p) for p in workload.prompts)
+    warm = random_workload(min(8, len(workload.prompts)), 32, 16, seed=12345, vocab_limit=max_id)
+    warm_params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True)
+    llm.generate(token_prompts(warm.prompts), warm_params, use_tqdm=False)
+    params = [
+        SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+        for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(token_prompts(workload.prompts), params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != workload.num_output_tokens:
+        raise RuntimeError(f"generated {produced} tokens, asked for {workload.num_output_tokens}")
+    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced)
+
+
+def print_vllm_lines(r: RunResult) -> None:
+    print(
+        f"Throughput: {r.requests_per_s:.2f} requests/s, {r.total_tokens_per_s:.2f} total "
+        f"tokens/s, {r.output_tokens_per_s:.2f} output tokens/s"
+    )
+    print(f"Total num prompt tokens:  {r.prompt_tokens}")
+    print(f"Total num output tokens:  {r.output_tokens}")
+
+
+def floor_report(hf_config: dict, dtype: str, workload: Workload, r: RunResult) -> dict:
+    """Measure the device copy bandwidth now and compare the run with the traffic floor."""
+    from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
+    from minivllm.frontend.bench.geometry import num_parameters
+
+    heads = int(hf_config["num_attention_heads"])
+    elem = _DTYPE_BYTES[dtype]
+    floor = memory_floor(
+        [len(p) for p in workload.prompts],
+        workload.output_lens,
+        num_layers=int(hf_config["num_hidden_layers"]),
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
+        head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
+        param_bytes=num_parameters(hf_config) * elem,
+        kv_dtype_bytes=elem,
+    )
+    bandwidth = measure_copy_bandwidth()
+    floor_s = floor.seconds(bandwidth)
+    pct = 100 * floor_s / r.elapsed_s
+    print(f"Device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(
+        f"Memory-traffic floor: {floor.kv_bytes / 1e12:.2f} TB KV + "
+        f"{floor.weight_bytes / 1e12:.2f} TB weights -> {floor_s:.2f} s = "
+        f"{r.output_tokens / floor_s:.0f} output tok/s; this run: {pct:.1f}% of the floor"
+    )
+    return {
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "floor_kv_bytes": floor.kv_bytes,
+        "floor_weight_bytes": floor.weight_bytes,
+        "floor_s": floor_s,
+        "percent_of_floor": pct,
+    }
+
+
+def main(args: argparse.Namespace) -> dict:
+    from minivllm.frontend.llm import LLM
+
+    figures: dict[str, Any] = {}
+    with model_dir(args) as (model, geometry):
+        workload = build_workload(args, max_token_id(model))
+        print(
+            f"Workload: {workload.name}: {len(workload.prompts)} requests, "
+            f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens"
+        )
+        figures["workload"] = workload.name
+        overrides: dict[str, Any] = {}
+        if geometry is not None and args.max_model_len is None:
+            overrides["max_model_len"] = max(4096, workload.max_model_len)
+        engine_args = bench_engine_args(args, model, geometry, **overrides)
+        llm = LLM(**asdict(engine_args))
+        config = llm.llm_engine.config
+        what = f"geometry {geometry} (dummy weights)" if geometry else f"model {model}"
+        print(
+            f"Model: {what}; {config.model.num_layers} layers, hidden "
+            f"{config.model.hf_config['hidden_size']}, vocab {config.model.vocab_size}; "
+            f"device {config.device.device}, dtype {config.model.dtype}"
+        )
+        try:
+            result = run_minivllm(llm, workload, args.temperature)
+        finally:
+            llm.shutdown()
+        print_vllm_lines(result)
+        figures.update(
+            model=model if geometry is None else geometry,
+            device=config.device.device,
+            dtype=config.model.dtype,
+            elapsed_s=result.elapsed_s,
+            num_requests=result.num_requests,
+            prompt_tokens=result.prompt_tokens,
+            output_tokens=result.output_tokens,
+            requests_per_s=result.requests_per_s,
+            total_tokens_per_s=result.total_tokens_per_s,
+            output_tokens_per_s=result.output_tokens_per_s,
+        )
+        if config.device.device == "cuda":
+            figures.update(
+                floor_report(config.model.hf_config, config.model.dtype, workload, result)
+            )
+        if args.compare == "hf":
+            from minivllm.frontend.bench.hf_compare import run_hf
+
+            sub = workload.subset(args.compare_num_prompts)
+            hf = run_hf(model, sub, config.device.device, args.temperature, args.seed)
+            ratio = result.output_tokens_per_s / hf.output_tokens_per_s
+            print(
+                f"HF transformers ({sub.name}): {hf.output_tokens} output tokens in "
+                f"{hf.elapsed_s:.2f} s = {hf.output_tokens_per_s:.2f} output tokens/s; "
+                f"mini-vllm / HF = {ratio:.2f}x"
+            )
+            figures.update(
+                hf_num_requests=hf.num_requests,
+                hf_output_tokens=hf.output_tokens,
+                hf_elapsed_s=hf.elapsed_s,
+                hf_output_tokens_per_s=hf.output_tokens_per_s,
+                ratio_to_hf=ratio,
+            )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return figures

@@ -1,0 +1,74 @@
+"""Benchmark workloads as token ids: the reference workload and vLLM-style fixed shapes."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# PERF_NOTES "The reference workload" (nano-vllm's offline bench); a change to the draw
+# order or ranges changes these totals, so they are checked whenever the workload is built.
+REFERENCE_NUM_PROMPTS = 256
+REFERENCE_PROMPT_TOKENS = 142_827
+REFERENCE_OUTPUT_TOKENS = 133_966
+REFERENCE_TEMPERATURE = 0.6
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids and the exact number of tokens to generate for each."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def max_model_len(self) -> int:
+        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens, strict=True))
+
+    def subset(self, n: int) -> Workload:
+        return Workload(f"{self.name}[:{n}]", self.prompts[:n], self.output_lens[:n])
+
+
+def reference_workload() -> Workload:
+    """random.seed(0); all 256 prompts (randint(100, 1024) ids of randint(0, 10000)) first,
+    then all 256 output lengths randint(100, 1024). Raises if the totals drift."""
+    rng = random.Random(0)  # same stream as random.seed(0) without touching global state
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+        for _ in range(REFERENCE_NUM_PROMPTS)
+    ]
+    output_lens = [rng.randint(100, 1024) for _ in range(REFERENCE_NUM_PROMPTS)]
+    w = Workload("reference (nano-vllm offline)", prompts, output_lens)
+    if (w.num_prompt_tokens, w.num_output_tokens) != (
+        REFERENCE_PROMPT_TOKENS,
+        REFERENCE_OUTPUT_TOKENS,
+    ):
+        raise RuntimeError(
+            f"reference workload drifted: {w.num_prompt_tokens} prompt / "
+            f"{w.num_output_tokens} output tokens, expected {REFERENCE_PROMPT_TOKENS} / "
+            f"{REFERENCE_OUTPUT_TOKENS}"
+        )
+    return w
+
+
+def random_workload(
+    num_prompts: int, input_len: int, output_len: int, seed: int = 0, vocab_limit: int = 10000
+) -> Workload:
+    """vLLM's `--dataset-name random` at range ratio 0: fixed input and output lengths."""
+    if min(num_prompts, input_len, output_len) < 1:
+        raise ValueError("num_prompts, input_len and output_len must be positive")
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab_limit) for _ in range(input_len)] for _ in range(num_prompts)]
+    return Workload(
+        f"random {num_prompts}x({input_len} in, {output_len} out)",
+        prompts,
+        [output_len] * num_prompts,
+    )

@@ -1,0 +1,81 @@
+"""`minivllm bench`: the workloads' totals, the memory floor, and one end-to-end run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minivllm.frontend.bench.floor import memory_floor
+from minivllm.frontend.bench.geometry import GEOMETRIES, num_parameters
+from minivllm.frontend.bench.workloads import random_workload, reference_workload
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_reference_workload_totals():
+    w = reference_workload()
+    assert len(w.prompts) == len(w.output_lens) == 256
+    assert w.num_prompt_tokens == 142_827
+    assert w.num_output_tokens == 133_966
+    assert w.max_model_len <= 4096
+    assert all(0 <= t <= 10000 for p in w.prompts for t in p)
+
+
+def test_random_workload_fixed_shapes():
+    w = random_workload(4, 16, 8, seed=3)
+    assert [len(p) for p in w.prompts] == [16] * 4
+    assert w.output_lens == [8] * 4
+    assert w.prompts == random_workload(4, 16, 8, seed=3).prompts
+    with pytest.raises(ValueError):
+        random_workload(0, 16, 8)
+
+
+def test_qwen3_parameter_counts():
+    assert num_parameters(GEOMETRIES["qwen3-0.6b"]) == 596_049_920  # PERF_NOTES
+    assert num_parameters(GEOMETRIES["qwen3-8b"]) == 8_190_735_360  # Qwen3-8B's card: 8.2B
+
+
+def test_floor_matches_perf_notes():
+    """PERF_NOTES: 13.87 TB of KV + 1.22 TB of weights -> 5.0 s at 3.02 TB/s."""
+    w = reference_workload()
+    cfg = GEOMETRIES["qwen3-0.6b"]
+    floor = memory_floor(
+        [len(p) for p in w.prompts],
+        w.output_lens,
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        param_bytes=2 * num_parameters(cfg),
+    )
+    assert floor.kv_bytes / 1e12 == pytest.approx(13.87, rel=0.01)
+    assert floor.weight_bytes / 1e12 == pytest.approx(1.22, rel=0.01)
+    assert floor.seconds(3.02e12) == pytest.approx(5.0, rel=0.01)
+
+
+def test_floor_counts_context_per_output_token():
+    # one request, 3-token prompt, 2 outputs: contexts 3 and 4 tokens; 2 decode steps
+    floor = memory_floor([3], [2], num_layers=1, num_kv_heads=1, head_dim=1, param_bytes=10)
+    assert floor.kv_bytes == (3 + 4) * 2 * 2
+    assert floor.weight_bytes == 2 * 10
+
+
+def test_bench_throughput_end_to_end(qwen3_dir: str):
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "throughput"]
+    cmd += ["--model", qwen3_dir, "--num-prompts", "4", "--input-len", "16", "--output-len", "8"]
+    cmd += ["--distributed-executor-backend", "uni", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": _REPO, "MINIVLLM_CPU_KVCACHE_GIB": "0.05"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = re.search(
+        r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s$",
+        proc.stdout,
+        re.M,
+    )
+    assert line, proc.stdout
+    assert float(line.group(3)) > 0
+    assert "Total num prompt tokens:  64" in proc.stdout
+    assert "Total num output tokens:  32" in proc.stdout
