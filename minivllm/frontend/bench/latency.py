@@ -1,0 +1,111 @@
+"""`minivllm bench latency`: end-to-end latency of one batch, printed like vLLM's
+`vllm bench latency`, plus TTFT (the same batch with max_tokens=1) and
+TPOT = (latency - TTFT) / (output_len - 1).
+
+Every iteration uses fresh random prompts, so the prefix cache never serves a prefill and
+TTFT measures a real one (vLLM's latency bench repeats one prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from minivllm.frontend.arg_utils import add_engine_args
+from minivllm.frontend.bench.common import (
+    add_model_args,
+    bench_engine_args,
+    max_token_id,
+    model_dir,
+)
+from minivllm.frontend.bench.common import token_prompts as _token_prompts
+from minivllm.frontend.bench.workloads import random_workload
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "latency",
+        help="batch latency, TTFT and TPOT (vLLM's `bench latency`)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-iters-warmup", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--output-json", default=None)
+    add_model_args(p)
+    add_engine_args(p, model_required=False)
+    p.set_defaults(func=main)
+
+
+def _timed_batch(
+    llm: Any, args: argparse.Namespace, seed: int, max_tokens: int, max_id: int
+) -> float:
+    from minivllm.protocol.sampling_params import SamplingParams
+
+    batch = random_workload(args.batch_size, args.input_len, max_tokens, seed, max_id)
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(_token_prompts(batch.prompts), params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main(args: argparse.Namespace) -> dict:
+    from minivllm.frontend.llm import LLM
+
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be at least 2 (TPOT needs a second token)")
+    with model_dir(args) as (model, geometry):
+        overrides: dict[str, Any] = {}
+        if geometry is not None and args.max_model_len is None:
+            overrides["max_model_len"] = max(4096, args.input_len + args.output_len)
+        llm = LLM(**asdict(bench_engine_args(args, model, geometry, **overrides)))
+        config = llm.llm_engine.config
+        print(
+            f"Model: {geometry or model}; device {config.device.device}, dtype "
+            f"{config.model.dtype}; batch {args.batch_size} x ({args.input_len} in, "
+            f"{args.output_len} out)"
+        )
+        max_id = max_token_id(model)
+        seeds = iter(range(1_000_000, 2_000_000))  # fresh prompts for every batch
+        try:
+            for _ in range(args.num_iters_warmup):
+                _timed_batch(llm, args, next(seeds), args.output_len, max_id)
+            latencies = [
+                _timed_batch(llm, args, next(seeds), args.output_len, max_id)
+                for _ in range(args.num_iters)
+            ]
+            ttfts = [_timed_batch(llm, args, next(seeds), 1, max_id) for _ in range(args.num_iters)]
+        finally:
+            llm.shutdown()
+    avg = float(np.mean(latencies))
+    ttft = float(np.median(ttfts))
+    tpot = (avg - ttft) / (args.output_len - 1)
+    print(f"Avg latency: {avg} seconds")
+    pct = {p: float(np.percentile(latencies, p)) for p in PERCENTILES}
+    for p, value in pct.items():
+        print(f"{p}% percentile latency: {value} seconds")
+    print(f"TTFT: {ttft * 1e3:.2f} ms (median, max_tokens=1)")
+    print(f"TPOT: {tpot * 1e3:.2f} ms ((avg latency - TTFT) / (output_len - 1))")
+    figures = {
+        "avg_latency": avg,
+        "latencies": latencies,
+        "percentiles": pct,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "device": config.device.device,
+    }
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return figures

@@ -1,0 +1,61 @@
+"""A model directory for the null model (no forward pass) with a real BPE tokenizer, so an
+engine run measures everything around the model, detokenization included."""
+
+from __future__ import annotations
+
+import json
+import os
+
+NULL_VOCAB_SIZE = 4096
+_CORPUS_MODULES = ("argparse", "json.decoder", "textwrap", "string", "difflib", "pprint")
+
+
+def _corpus() -> list[str]:
+    """Text from stdlib sources: English prose and code, fixed for a given Python."""
+    import importlib
+    import inspect
+
+    return [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
+
+
+def train_tokenizer(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> int:
+    """Train a byte-level BPE tokenizer on stdlib sources, save it in HF format to out_dir
+    and return its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+    return tok.get_vocab_size()
+
+
+def build_null_checkpoint(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> str:
+    """A tokenizer (`train_tokenizer`) plus the null model's config.json with a vocabulary
+    of the same size; returns out_dir."""
+    config = {
+        "architectures": ["MiniVllmNullForCausalLM"],
+        "vocab_size": train_tokenizer(out_dir, vocab_size),
+        # a KV cache of 16 bytes per token: the engine keeps its block bookkeeping
+        "num_hidden_layers": 1,
+        "hidden_size": 8,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 2,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+        "eos_token_id": 0,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir
