@@ -39,7 +39,10 @@ from minivllm.protocol.serial import (
 )
 
 ALL_TYPES = tuple(TAGS)
-ENCODERS = {"inline": MsgEncoder(), "id-frames": MsgEncoder(aux_threshold=ID_FRAME_THRESHOLD)}
+ENCODERS = {
+    "inline": MsgEncoder(aux_threshold=None),
+    "id-frames": MsgEncoder(aux_threshold=ID_FRAME_THRESHOLD),
+}
 LONG_PROMPT = list(range(100_000, 105_000))
 
 
@@ -119,7 +122,8 @@ def test_long_token_ids_travel_as_extra_frames() -> None:
     assert msg.scheduled_new_reqs[1].token_ids == LONG_PROMPT  # the caller's copy is intact
     assert MsgDecoder(CORE_TO_WORKER).decode(frames) == msg
 
-    inline = MsgEncoder().encode(msg)
+    assert len(MsgEncoder().encode(msg)) == 3  # the default
+    inline = ENCODERS["inline"].encode(msg)
     assert len(inline) == 1
     assert MsgDecoder(CORE_TO_WORKER).decode(inline) == msg
 
@@ -164,13 +168,20 @@ def test_pickle_payload_never_executes(tmp_path, protocol: int) -> None:
     # also behind every valid tag, and as an id frame after a valid head
     attempts += [[tag + payload] for tag in TAGS.values()]
     head = ENCODERS["id-frames"].encode(EngineCoreRequest("r", LONG_PROMPT, SamplingParams()))
-    attempts += [[head[0], payload, payload], [head[0], head[1], payload]]
+    attempts += [[head[0], payload, payload]]
     decoders = [MsgDecoder(a) for a in (FRONTEND_TO_CORE, CORE_TO_FRONTEND, CORE_TO_WORKER)]
     decoders += [MsgDecoder(WORKER_TO_CORE), MsgDecoder(ALL_TYPES)]
     for decoder in decoders:
         for frames in attempts:
             with pytest.raises(ProtocolError):
                 decoder.decode(frames)
+        # as an id frame the bytes are read as int32 ids (when their length allows): data,
+        # never code
+        try:
+            msg = decoder.decode([head[0], head[1], payload])
+        except ProtocolError:
+            continue
+        assert all(type(t) is int for t in msg.prompt_token_ids)
     assert not marker.exists()
 
 
