@@ -1,7 +1,8 @@
 """The elementwise ops the layers call, as plain torch functions.
 
-They are the swap point for fused kernels: a GPU backend may route these names to Triton
-implementations with the same signatures. Each computes in float32 and returns the input
+They are the swap point for fused kernels: on CUDA tensors the norms and the activation go
+to the Triton kernels in `minivllm.worker.ops` (one kernel each instead of 3-6 small ones);
+on the CPU they stay the plain torch below. Each computes in float32 and returns the input
 dtype, matching HF transformers' numerics.
 """
 
@@ -10,9 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker.ops import activation as _triton_activation
+from minivllm.worker.ops import norm as _triton_norm
+from minivllm.worker.ops._triton import HAS_TRITON
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension."""
+    if HAS_TRITON and x.is_cuda:
+        return _triton_norm.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -23,12 +30,16 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the new residual stream and its norm."""
+    if HAS_TRITON and x.is_cuda:
+        return _triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] where the last dimension is 2 * d."""
+    if HAS_TRITON and x.is_cuda:
+        return _triton_activation.silu_and_mul(x)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
