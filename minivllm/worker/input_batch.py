@@ -4,6 +4,10 @@ Each request owns one row of preallocated buffers (token ids, block table, sampl
 parameters) from the step it arrives until it finishes or is preempted. The scheduler's diffs
 update rows in place; a step gathers the rows it needs with numpy indexing, so no tensor is
 built from Python lists on the hot path.
+
+A sampled token is counted in `num_tokens` when its step is launched, but its id reaches the
+host (`num_host_tokens`) only when the step's output has been copied back: until then the
+next step reads it from the device (the runner's in-flight gather).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ class RequestState:
     req_id: str
     row: int
     num_prompt_tokens: int
-    num_tokens: int  # tokens whose ids are known on the host (prompt + sampled)
+    num_tokens: int  # prompt + sampled tokens, including one still in flight on the device
+    num_host_tokens: int  # of those, the ones whose ids are in InputBatch.token_ids
     num_computed_tokens: int
     num_blocks: int
     params: SamplingParams
+    last_sample: tuple[object, int] | None = None  # (step output, row in its sampled ids)
 
 
 class InputBatch:
@@ -59,6 +65,7 @@ class InputBatch:
             row=row,
             num_prompt_tokens=new.num_prompt_tokens,
             num_tokens=n,
+            num_host_tokens=n,
             num_computed_tokens=new.num_computed_tokens,
             num_blocks=len(new.block_ids),
             params=p,
@@ -82,7 +89,8 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_token(self, state: RequestState, token_id: int) -> None:
-        if state.num_tokens <= self.max_model_len:
-            self.token_ids[state.row, state.num_tokens] = token_id
-        state.num_tokens += 1
+    def append_host_token(self, state: RequestState, token_id: int) -> None:
+        """The id of the oldest in-flight token of `state` has arrived on the host."""
+        if state.num_host_tokens <= self.max_model_len:
+            self.token_ids[state.row, state.num_host_tokens] = token_id
+        state.num_host_tokens += 1

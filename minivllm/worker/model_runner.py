@@ -1,20 +1,36 @@
-"""Runs one `SchedulerOutput` through the model and samples the next tokens."""
+"""Runs one `SchedulerOutput` through the model and samples the next tokens.
+
+One step: apply the scheduler's diffs to the persistent `InputBatch`; write the step's inputs
+into the pinned `StepBuffers` with numpy and copy them to the device in one go; fill the input
+ids of tokens still in flight from the previous step's sampled ids on the device; run the
+model (a CUDA graph replay for a pure-decode step); sample on the device; start a
+non_blocking copy of the sampled ids back. Nothing on this path waits for the GPU, so with
+async scheduling the host prepares step N+1 while the GPU runs step N.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections import deque
 
 import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GREEDY_EPS = 1e-5
+# KV sizing leaves this share of the GPU to the CUDA graphs' memory pool (captured later)
+_GRAPH_RESERVE = 0.01
 
 
 class ModelRunner:
@@ -26,17 +42,43 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
-        self.batch = InputBatch(config.scheduler.max_num_seqs, max_len, self.max_blocks_per_req)
+        max_seqs = config.scheduler.max_num_seqs
+        self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
+        self.buffers = StepBuffers(
+            max_seqs, config.scheduler.max_num_batched_tokens, self.max_blocks_per_req, device
+        )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.attn_backend = self._make_attn_backend()
+        self.attn_backend_name, self.attn_backend = self._make_attn_backend()
+        # decode graphs need a backend that never reads host data (not the torch reference)
+        self.use_graphs = (
+            device.type == "cuda"
+            and not config.device.enforce_eager
+            and self.attn_backend_name == "triton"
+        )
+        self.graphs = DecodeGraphs()
+        # launched steps whose sampled ids have not been applied to the host token ids yet
+        self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
     # ------------------------------------------------------------------ setup
 
     def _make_attn_backend(self):
-        from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+        default = "triton" if self.device.type == "cuda" else "torch"
+        name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "") or default
+        if name == "triton":
+            from minivllm.worker.attention.triton_attention import TritonAttentionBackend
 
-        return TorchAttentionBackend()
+            backend = TritonAttentionBackend()
+        elif name == "torch":
+            from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+
+            backend = TorchAttentionBackend()
+        else:
+            raise ValueError(
+                f"MINIVLLM_ATTENTION_BACKEND must be 'torch' or 'triton', got {name!r}"
+            )
+        logger.info("attention backend: %s", name)
+        return name, backend
 
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
@@ -72,17 +114,28 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
+        reserve = _GRAPH_RESERVE * total if self.use_graphs else 0
+        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others - reserve
         num = int(budget // self.kv_block_bytes())
         if num <= 0:
             raise RuntimeError(
                 f"no memory left for the KV cache: the model's peak use is {peak / 2**30:.2f} GiB "
                 f"of {total / 2**30:.2f} GiB; raise gpu_memory_utilization"
             )
+        logger.info(
+            "memory profile: peak %.2f GiB (weights + activations), %.2f GiB used by others, "
+            "%.2f GiB kept for CUDA graphs, %.2f GiB for the KV cache",
+            peak / 2**30,
+            used_by_others / 2**30,
+            reserve / 2**30,
+            num * self.kv_block_bytes() / 2**30,
+        )
         return num
 
+    @torch.inference_mode()
     def profile_run(self) -> None:
-        """A worst-case forward (max_num_batched_tokens tokens) to measure peak activations."""
+        """A worst-case forward (max_num_batched_tokens tokens) and a sample of max_num_seqs
+        rows, to measure peak activations."""
         n = max(
             1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         )
@@ -105,9 +158,15 @@ class ModelRunner:
         )
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         pos = torch.arange(n, dtype=torch.long, device=dev)
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, caches, meta)
-            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        hidden = self.model(ids, pos, caches, meta)
+        rows = min(n, self.config.scheduler.max_num_seqs)
+        logits = self._logits(hidden[-rows:])
+        if self.device.type == "cuda":
+            from minivllm.worker.ops.sampling import sample
+
+            ones = torch.ones(rows, dtype=torch.float32, device=dev)
+            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+            sample(logits, ones, None, None, None, zeros, zeros)
         del caches
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
@@ -118,6 +177,7 @@ class ModelRunner:
         ]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode graphs over it."""
         m = self.config.model
         self.kv_caches = self._allocate_kv(num_blocks)
         max_conc = num_blocks * self.block_size / m.max_model_len
@@ -130,8 +190,74 @@ class ModelRunner:
             m.max_model_len,
             max_conc,
         )
+        if self.use_graphs:
+            self._capture_graphs()
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs off (enforce_eager or the torch attention backend)")
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        d = self.buffers.dev
+        # what padding rows hold at replay too: no KV slot, no context
+        d.slot_mapping.fill_(-1)
+        d.seq_lens.zero_()
+        d.input_ids.zero_()
+        d.positions.zero_()
+        sched = self.config.scheduler
+        sizes = capture_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens))
+        self.graphs.capture(self._decode_forward, sizes)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The forward of `size` decode rows over the static device buffers."""
+        d = self.buffers.dev
+        meta = AttentionMetadata(
+            num_tokens=size,
+            num_seqs=size,
+            num_decodes=size,
+            max_query_len=1,
+            max_seq_len=self.config.model.max_model_len,
+            query_start_loc=d.query_start_loc[: size + 1],
+            seq_lens=d.seq_lens[:size],
+            block_table=d.block_table[:size],
+            slot_mapping=d.slot_mapping[:size],
+            block_size=self.block_size,
+        )
+        return self.model(d.input_ids[:size], d.positions[:size], self.kv_caches, meta)
 
     # ------------------------------------------------------------------ step
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.execute_model_async(so).get()
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step; its output's `get()` waits for the sampled ids."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return AsyncModelRunnerOutput(so.step_id, [], [], None)
+        self._apply_older_outputs()
+        states, sample_idx, meta, padded = self._prepare_inputs(so)
+        d = self.buffers.dev
+        if padded:
+            hidden = self.graphs.replay(padded)
+        else:
+            n = meta.num_tokens
+            hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
+        req_ids = [s.req_id for s in states]
+        if not sample_idx:
+            return AsyncModelRunnerOutput(so.step_id, req_ids, [], None)
+        ns = len(sample_idx)
+        logits = self._logits(hidden.index_select(0, d.logits_indices[:ns]))
+        sampled_states = [states[i] for i in sample_idx]
+        out = AsyncModelRunnerOutput(
+            so.step_id, req_ids, sample_idx, self._sample(logits, sampled_states)
+        )
+        for j, s in enumerate(sampled_states):
+            s.num_tokens += 1
+            s.last_sample = (out, j)
+        self._pending.append((out, sampled_states))
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -140,111 +266,146 @@ class ModelRunner:
             self.batch.add(new)
         self.batch.update(so.scheduled_cached_reqs)
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=so.step_id)
-        states, q_lens = self._order(so)
-        inputs = self._prepare_inputs(states, q_lens)
-        hidden = self.model(
-            inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"]
-        )
-        sample_idx = inputs["sample_idx"]
-        req_ids = [s.req_id for s in states]
-        if len(sample_idx) == 0:
-            return ModelRunnerOutput(
-                step_id=so.step_id, req_ids=req_ids, sampled_token_ids=[[] for _ in states]
-            )
-        logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
-        sampled = self._sample(logits, states, sample_idx, inputs["seq_lens_np"]).tolist()
-        out: list[list[int]] = [[] for _ in states]
-        for i, tok in zip(sample_idx, sampled, strict=True):
-            self.batch.append_token(states[i], tok)
-            out[i] = [tok]
-        for s, q in zip(states, q_lens, strict=True):
-            s.num_computed_tokens += q
-        return ModelRunnerOutput(step_id=so.step_id, req_ids=req_ids, sampled_token_ids=out)
+    def _apply_older_outputs(self) -> None:
+        """Write the sampled ids of every launched step but the newest into the host token
+        ids. Those steps ran before the newest one, so this seldom waits; the newest one's
+        ids are read on the device by the step about to launch."""
+        while len(self._pending) > 1:
+            out, states = self._pending.popleft()
+            for s, tok in zip(states, out.token_ids(), strict=True):
+                # a request that finished or was preempted since has a new state (or none)
+                if self.batch.requests.get(s.req_id) is s:
+                    self.batch.append_host_token(s, tok)
 
-    def _order(self, so: SchedulerOutput) -> tuple[list[RequestState], np.ndarray]:
-        """Scheduled requests with the single-token (decode) ones first."""
+    def _prepare_inputs(
+        self, so: SchedulerOutput
+    ) -> tuple[list[RequestState], list[int], AttentionMetadata, int | None]:
+        """Fill and copy the step buffers. Returns the scheduled requests (single-token ones
+        first), the indices of those that sample, the attention metadata and the padded
+        batch size of the CUDA graph to replay (None: run eagerly)."""
         reqs = self.batch.requests
-        decodes, others = [], []
-        for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == 1 else others).append((reqs[req_id], n))
-        ordered = decodes + others
-        states = [s for s, _ in ordered]
-        q_lens = np.fromiter((n for _, n in ordered), dtype=np.int64, count=len(ordered))
-        self._num_decodes = len(decodes)
-        return states, q_lens
-
-    def _prepare_inputs(self, states: list[RequestState], q_lens: np.ndarray) -> dict:
-        b = self.batch
-        bs = self.block_size
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        computed = np.fromiter(
-            (s.num_computed_tokens for s in states), dtype=np.int64, count=len(states)
-        )
-        num_tokens_known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        total = int(cu[-1])
-        tok_rows = np.repeat(rows, q_lens)
-        positions = np.repeat(computed, q_lens) + (np.arange(total) - np.repeat(cu[:-1], q_lens))
-        input_ids = b.token_ids[tok_rows, positions]
-        slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        decodes, others, other_lens = [], [], []
+        for req_id, q in so.num_scheduled_tokens.items():
+            if q == 1:
+                decodes.append(reqs[req_id])
+            else:
+                others.append(reqs[req_id])
+                other_lens.append(q)
+        states = decodes + others
+        n, nd = len(states), len(decodes)
+        q_lens = np.ones(n, dtype=np.int64)
+        q_lens[nd:] = other_lens
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
+        num_tokens = np.fromiter((s.num_tokens for s in states), np.int64, n)
+        num_host = np.fromiter((s.num_host_tokens for s in states), np.int64, n)
         seq_lens = computed + q_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_table = b.block_table[rows, :max_blocks]
-        samples = seq_lens >= num_tokens_known
-        sample_idx = np.nonzero(samples)[0]
-        dev = self.device
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-        sl_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        total = int(so.total_num_scheduled_tokens)
+        padded = self.graphs.padded_size(n) if self.use_graphs and nd == n else None
+
+        h = self.buffers.next_host()
+        bs, b = self.block_size, self.batch
+        cu = h.query_start_loc[: n + 1]
+        cu[0] = 0
+        np.cumsum(q_lens, out=cu[1:])
+        if nd == n:
+            tok_rows, positions = rows, computed
+        else:
+            tok_rows = np.repeat(rows, q_lens)
+            starts = np.repeat(computed - cu[:-1], q_lens)
+            positions = starts + np.arange(total)
+        h.positions[:total] = positions
+        h.input_ids[:total] = b.token_ids[tok_rows, positions]
+        h.slot_mapping[:total] = b.block_table[tok_rows, positions // bs] * bs + positions % bs
+        h.seq_lens[:n] = seq_lens
+        if padded:
+            h.input_ids[total:padded] = 0
+            h.positions[total:padded] = 0
+            h.slot_mapping[total:padded] = -1
+            h.seq_lens[n:padded] = 0
+            h.query_start_loc[n + 1 : padded + 1] = total
+        width = -(-int(seq_lens.max()) // bs)
+        h.block_table[:n, :width] = b.block_table[rows, :width]
+
+        # a request samples once this step has computed every token it has
+        sample_idx = np.flatnonzero(seq_lens >= num_tokens)
+        ns = len(sample_idx)
+        srows = rows[sample_idx]
+        h.logits_indices[:ns] = cu[1:][sample_idx] - 1
+        h.temperature[:ns] = b.temperature[srows]
+        h.top_k[:ns] = b.top_k[srows]
+        h.top_p[:ns] = b.top_p[srows]
+        h.min_p[:ns] = b.min_p[srows]
+        h.seeds[:ns] = b.seeds[srows]
+        h.sample_positions[:ns] = seq_lens[sample_idx]
+
+        # the last input token of a decoding request may be the newest step's sample, which
+        # only the device has yet: gather it there instead of waiting for it
+        in_flight = np.flatnonzero(seq_lens > num_host)
+        latest = self._pending[-1][0] if self._pending else None
+        for g, i in enumerate(in_flight.tolist()):
+            out, j = states[i].last_sample
+            assert out is latest, "an in-flight token of an older step was not applied"
+            h.gather_src[g] = j
+        h.gather_dst[: len(in_flight)] = cu[1:][in_flight] - 1
+
+        self.buffers.copy_to_device(max(n, padded or 0))
+        d = self.buffers.dev
+        if len(in_flight):
+            g = len(in_flight)
+            prev = latest.sampled.index_select(0, d.gather_src[:g])
+            d.input_ids.index_copy_(0, d.gather_dst[:g], prev)
         meta = AttentionMetadata(
             num_tokens=total,
-            num_seqs=len(states),
-            num_decodes=self._num_decodes,
+            num_seqs=n,
+            num_decodes=nd,
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=sl_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc=d.query_start_loc[: n + 1],
+            seq_lens=d.seq_lens[:n],
+            block_table=d.block_table[:n],
+            slot_mapping=d.slot_mapping[:total],
             block_size=bs,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=sl_cpu,
+            query_start_loc_cpu=torch.from_numpy(cu),
+            seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
         )
-        return {
-            "input_ids": torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            "positions": torch.from_numpy(positions).to(dev, non_blocking=True),
-            "meta": meta,
-            "logits_indices": torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True),
-            "sample_idx": sample_idx.tolist(),
-            "seq_lens_np": seq_lens,
-        }
+        return states, sample_idx.tolist(), meta, padded
 
-    def _sample(
-        self, logits: torch.Tensor, states: list[RequestState], sample_idx: list[int], seq_lens
-    ) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        lm_head = getattr(self.model, "lm_head", None)
+        if self.device.type == "cuda" and lm_head is not None:
+            # the device sampler reads bf16 logits; a float32 copy would cost a pass over them
+            return lm_head.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """Sampled ids [N] on the logits' device, parameters from the step buffers."""
+        ns = len(states)
+        d, h = self.buffers.dev, self.buffers.host
+        if self.device.type == "cuda":
+            from minivllm.worker.ops.sampling import sample
+
+            # filters no row asks for are skipped: without them sampling is one pass
+            return sample(
+                logits,
+                d.temperature[:ns],
+                d.top_k[:ns] if (h.top_k[:ns] > 0).any() else None,
+                d.top_p[:ns] if (h.top_p[:ns] < 1.0).any() else None,
+                d.min_p[:ns] if (h.min_p[:ns] > 0.0).any() else None,
+                d.seeds[:ns],
+                d.sample_positions[:ns],
+            )
         from minivllm.worker.sampler import SamplingMetadata, sample
 
-        b = self.batch
-        rows = np.fromiter((states[i].row for i in sample_idx), np.int64, len(sample_idx))
-        temp = b.temperature[rows]
-        dev = self.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
-
+        temperature = h.temperature[:ns]
         meta = SamplingMetadata(
-            temperature=t(temp),
-            top_k=t(b.top_k[rows]),
-            top_p=t(b.top_p[rows]),
-            min_p=t(b.min_p[rows]),
-            seeds=t(b.seeds[rows]),
-            positions=t(seq_lens[sample_idx]),
-            all_greedy=bool((temp < 1e-5).all()),
-            all_random=bool((temp >= 1e-5).all()),
+            temperature=d.temperature[:ns],
+            top_k=d.top_k[:ns],
+            top_p=d.top_p[:ns],
+            min_p=d.min_p[:ns],
+            seeds=d.seeds[:ns],
+            positions=d.sample_positions[:ns],
+            all_greedy=bool((temperature < _GREEDY_EPS).all()),
+            all_random=bool((temperature >= _GREEDY_EPS).all()),
         )
         return sample(logits.float(), meta)

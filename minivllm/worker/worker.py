@@ -9,6 +9,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.worker.async_output import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,15 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step and wait for it (the in-process executor)."""
         output = self.model_runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput
+    ) -> AsyncModelRunnerOutput | None:
+        """Launch one step; rank 0 gets a handle whose `get()` waits for its output."""
+        output = self.model_runner.execute_model_async(scheduler_output)
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -3,15 +3,20 @@
 Startup: connect; init the device (and the TP group: rank 0 hosts the rendezvous store on a
 port the OS picked when it bound, and the engine-core relays it to the other ranks); load
 the model; report how many KV blocks fit; wait for the agreed number; allocate; report ready.
+Steps are launched on the main thread and answered from a sender thread, which waits for
+each step's sampled ids, so the main thread is already launching the next step meanwhile.
 Any exception is sent back as an error and ends the process: a TP peer that keeps running
 would block forever in its next collective, so the engine-core tears all ranks down.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import queue
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -22,6 +27,7 @@ from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
 from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
 from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
+from minivllm.worker.async_output import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +47,16 @@ def run_worker(
     ctx = zmq.Context()
     steps = transport.connect_socket(ctx, zmq.PULL, step_address)
     results = transport.connect_socket(ctx, zmq.PUSH, result_address)
-    encoder, decoder = MsgEncoder(), MsgDecoder(CORE_TO_WORKER)
+    decoder = MsgDecoder(CORE_TO_WORKER)
+    # only the sender thread touches `results` (ZMQ sockets are not thread-safe)
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(
+        target=_send_loop, args=(rank, results, outbox), name="worker-sender", daemon=True
+    )
+    sender.start()
 
     def send(msg) -> None:
-        transport.send_msg(results, encoder.encode(msg))
+        outbox.put(msg)
 
     def recv():
         while True:
@@ -76,7 +88,9 @@ def run_worker(
             msg = recv()
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
-                out = worker.execute_model(msg)
+                # launch and move on: the sender thread waits for the output, so the next
+                # step is received and queued on the GPU behind this one
+                out = worker.execute_model_async(msg)
                 if out is not None:
                     send(out)
             elif isinstance(msg, WorkerControl):
@@ -84,15 +98,40 @@ def run_worker(
                     break
                 if msg.command == "init_kv_cache":
                     worker.initialize_kv_cache(int(msg.args[0]))
+                    # start-up garbage stays put: later collections need not walk it
+                    gc.collect()
+                    gc.freeze()
                     send(Handshake(role="worker-ready", rank=rank, pid=os.getpid()))
     except Exception:
         error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
         logger.error(error)
         send(ModelRunnerOutput(step_id=step_id, error=error))
+        outbox.put(None)
+        sender.join(timeout=10.0)
         transport.close_socket(results)  # linger lets the error frame out
         os._exit(1)
+    outbox.put(None)
+    sender.join(timeout=10.0)
     transport.close_socket(results, linger=0)
     transport.close_socket(steps, linger=0)
+
+
+def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
+    """Send what the main thread queues, in order; a step's output once its sampled ids
+    have reached the host. None ends the loop."""
+    encoder = MsgEncoder()
+    while (item := outbox.get()) is not None:
+        try:
+            msg = item.get() if isinstance(item, AsyncModelRunnerOutput) else item
+        except Exception:
+            error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
+            logger.error(error)
+            transport.send_msg(
+                results, encoder.encode(ModelRunnerOutput(item.step_id, error=error))
+            )
+            transport.close_socket(results)
+            os._exit(1)
+        transport.send_msg(results, encoder.encode(msg))
 
 
 def _rendezvous(rank: int, send, recv):
