@@ -1,0 +1,121 @@
+"""The model runner driven step by step, as the async engine-core drives it.
+
+The runner leaves the newest step's sampled ids on the device and gathers the next step's
+input ids from them, and writes older ones into the host token ids only later; these tests
+schedule by hand the cases where that bookkeeping could slip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.config import EngineArgs
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.cuda_graphs import capture_sizes
+from minivllm.worker.step_buffers import StepBuffers
+from minivllm.worker.worker import Worker
+from tests.hf_reference import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+PROMPT_A = [5, 17, 42, 99, 3, 250, 8]
+PROMPT_B = [11, 12, 13]
+
+
+def make_worker(path: str, **kwargs) -> Worker:
+    args = EngineArgs(
+        model=path, dtype="float32", distributed_executor_backend="uni", block_size=4, **kwargs
+    )
+    worker = Worker(args.create_engine_config())
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_kv_cache(64)
+    return worker
+
+
+def new_req(req_id: str, prompt: list[int], blocks: list[int]) -> NewRequestData:
+    return NewRequestData(req_id, prompt, len(prompt), GREEDY, blocks, 0)
+
+
+def step(step_id: int, new=(), cached=(), finished=()) -> SchedulerOutput:
+    """cached: (req_id, new_block_ids, num_computed_tokens, num_scheduled)."""
+    num = {r.req_id: len(r.token_ids) for r in new}
+    data = CachedRequestData()
+    for req_id, blocks, computed, n in cached:
+        data.req_ids.append(req_id)
+        data.new_block_ids.append(list(blocks))
+        data.num_computed_tokens.append(computed)
+        num[req_id] = n
+    return SchedulerOutput(
+        step_id,
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=data,
+        num_scheduled_tokens=num,
+        total_num_scheduled_tokens=sum(num.values()),
+        finished_req_ids=list(finished),
+    )
+
+
+def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
+    expected_a, expected_b = hf_greedy(qwen3_dir, [PROMPT_A, PROMPT_B], 4)
+    runner = make_worker(qwen3_dir).model_runner
+    n = len(PROMPT_A)
+    # every step is launched before the previous one's output is looked at
+    outs = [runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))]
+    outs.append(runner.execute_model_async(step(1, cached=[("a", [], n, 1)])))
+    # "a" sits out a step (budget spent elsewhere): its in-flight token is now two steps old
+    outs.append(runner.execute_model_async(step(2, new=[new_req("b", PROMPT_B, [2])])))
+    outs.append(runner.execute_model_async(step(3, cached=[("a", [3], n + 1, 1), ("b", [], 3, 1)])))
+    outs.append(runner.execute_model_async(step(4, cached=[("a", [], n + 2, 1)])))
+    got = [o.get() for o in outs]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for o in got:
+        for req_id, sampled in zip(o.req_ids, o.sampled_token_ids, strict=True):
+            tokens[req_id] += sampled
+    assert tokens["a"] == expected_a
+    assert tokens["b"] == expected_b[:2]
+    # the host token ids caught up with the steps before the newest two
+    state = runner.batch.requests["a"]
+    assert state.num_tokens == n + 4 and state.num_host_tokens == n + 2
+    assert runner.batch.token_ids[state.row, n : n + 2].tolist() == expected_a[:2]
+
+
+def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str) -> None:
+    runner = make_worker(qwen3_dir).model_runner
+    runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
+    # "a" finished (aborted) while its token was in flight; "b" takes its row
+    runner.execute_model_async(step(1, new=[new_req("b", PROMPT_B, [2])], finished=["a"]))
+    row = runner.batch.requests["b"].row
+    before = runner.batch.token_ids[row].copy()
+    runner.execute_model_async(step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
+    assert (runner.batch.token_ids[row] == before).all()
+    assert runner.batch.token_ids[row, :3].tolist() == PROMPT_B
+
+
+def test_step_buffers_views_share_one_buffer() -> None:
+    bufs = StepBuffers(8, 32, 5, torch.device("cpu"))
+    h = bufs.next_host()
+    h.input_ids[:3] = [7, 8, 9]
+    h.block_table[1, :2] = [4, 5]
+    assert bufs.dev.input_ids[:3].tolist() == [7, 8, 9]
+    assert bufs.dev.block_table[1, :2].tolist() == [4, 5]
+    assert bufs.offsets["block_table"] + 8 * 5 * 4 <= bufs.nbytes
+    assert all(off % 64 == 0 for off in bufs.offsets.values())
+
+
+def test_capture_sizes_cover_every_batch() -> None:
+    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
+    assert capture_sizes(256)[-1] == 256
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(1) == [1]
+
+
+def test_attention_backend_is_chosen_by_env(qwen3_dir: str, monkeypatch) -> None:
+    args = EngineArgs(model=qwen3_dir, dtype="float32", distributed_executor_backend="uni")
+    worker = Worker(args.create_engine_config())
+    worker.init_device()
+    assert worker.model_runner.attn_backend_name == "torch"  # the CPU default
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="MINIVLLM_ATTENTION_BACKEND"):
+        worker.init_device()
