@@ -25,7 +25,8 @@ def run_hf(
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device).eval()
+    # .to(dtype) rather than from_config's dtype keyword, whose name changed in transformers 5
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     counted = 0

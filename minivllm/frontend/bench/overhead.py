@@ -113,6 +113,9 @@ async def run_async(
         steps = (await llm.get_stats())["step_counter"] - before
     finally:
         llm.shutdown()
+    short = {i: t for i, (t, _) in enumerate(counts) if t != output_len}
+    if short:  # a benchmark that miscounts is worse than none: say so loudly
+        print(f"WARNING: {len(short)} streams did not get {output_len} tokens: {short}")
     tokens = sum(t for t, _ in counts)
     return StreamResult(tokens, sum(c for _, c in counts), elapsed, steps), rtts
 
