@@ -346,13 +346,12 @@ class AsyncMPClient(_MPClient):
         assert self.outputs is not None
         try:
             while True:
-                try:
-                    frames = await asyncio.wait_for(
-                        transport.recv_msg_async(self.output_async), timeout=_POLL_MS / 1000
-                    )
-                except asyncio.TimeoutError:
+                # poll, then receive what is there: cancelling a pending receive on a timeout
+                # could drop a message that had already arrived
+                if not await self.output_async.poll(_POLL_MS, zmq.POLLIN):
                     self._check_alive()
                     continue
+                frames = await transport.recv_msg_async(self.output_async)
                 msg = self._decode_output(frames)
                 if msg is None:
                     continue
