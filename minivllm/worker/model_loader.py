@@ -10,12 +10,11 @@ import torch
 
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.dummy_weights import dummy_weights
 from minivllm.worker.layers.parallel_state import TPGroup
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import CausalLM
 from minivllm.worker.models.registry import resolve_architecture
-
-_DUMMY_SCALE = 1e-3  # small enough that bf16 activations stay finite through deep models
 
 
 def load_model(
@@ -27,8 +26,8 @@ def load_model(
     """The model of model_config, sharded for rank tp.rank, in model_config.dtype on device.
 
     load_format "auto" reads the HF safetensors checkpoint (one file or sharded with an
-    index), each rank reading only its slices; "dummy" fills random weights of the real
-    geometry, deterministic from model_config.seed.
+    index), each rank reading only its slices; "dummy" loads random weights of the real
+    geometry the same way (see dummy_weights.py), deterministic from model_config.seed.
     """
     model_cls, variant = resolve_architecture(model_config)
     dtype = getattr(torch, model_config.dtype)
@@ -37,7 +36,8 @@ def load_model(
         model = model_cls(model_config, variant, tp, attn_backend, params_dtype=dtype)
     with torch.no_grad():
         if model_config.load_format == "dummy":
-            _init_dummy(model, model_config.seed + tp.rank, device)
+            if isinstance(model, CausalLM):
+                model.load_weights(dummy_weights(model_config, variant, device, dtype))
         elif model_config.load_format == "auto":
             model.load_weights(iter_safetensors(model_config.model))
         else:
@@ -70,12 +70,3 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, Loaded]]:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, f.get_slice(name)
-
-
-def _init_dummy(model: CausalLM, seed: int, device: torch.device) -> None:
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.uniform_(-_DUMMY_SCALE, _DUMMY_SCALE, generator=generator)

@@ -64,3 +64,21 @@ def test_killing_one_rank_reaches_every_caller(qwen3_dir: str) -> None:
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert waited < 5.0
     assert wait_gone([core, *workers], timeout=15) == []
+
+
+def test_dummy_weights_are_the_same_model_at_any_tp(tiny_models: dict[str, str]) -> None:
+    """Benchmarks compare TP sizes on dummy weights: each rank must slice the same model."""
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(
+            tiny_models["qwen3-untied"],
+            load_format="dummy",
+            dtype="float32",
+            tensor_parallel_size=tp,
+        )
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        outs = llm.generate([[1, 2, 3, 4, 5], [7, 8, 9]], params, use_tqdm=False)
+        llm.shutdown()
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[0] == tokens[1]
+    assert len(set(tokens[0][0])) > 3  # not a degenerate constant stream

@@ -1,0 +1,69 @@
+"""Random weights of a real geometry, named and shaped as in an HF checkpoint.
+
+They go through the same `load_weights` path as a checkpoint, so every tensor-parallel rank
+takes its slice of the same full tensor: TP=2 computes the same model as TP=1. Each tensor
+is drawn from a generator seeded by (seed, name), so the values do not depend on the order
+of loading either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from minivllm.config import ModelConfig
+from minivllm.worker.models.llama_family import DecoderVariant
+
+
+def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama-family HF checkpoint of this geometry holds, by name."""
+    hf = config.hf_config
+    h, d = int(hf["hidden_size"]), config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_kv_heads * d
+    inter, vocab = int(hf["intermediate_size"]), config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+        if variant.qkv_bias:
+            shapes.update(
+                {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+            )
+        if variant.qk_norm:
+            shapes.update(
+                {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+            )
+    shapes["model.norm.weight"] = (h,)
+    if not hf.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def dummy_weights(
+    config: ModelConfig, variant: DecoderVariant, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small."""
+    std = float(config.hf_config.get("initializer_range", 0.02))
+    for name, shape in hf_weight_shapes(config, variant).items():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, dtype=dtype, device=device)
+            continue
+        digest = hashlib.sha256(f"{config.seed}:{name}".encode()).digest()
+        gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        tensor = torch.empty(shape, dtype=torch.float32, device=device)
+        tensor.normal_(0.0, std if len(shape) > 1 else std / 10, generator=gen)
+        yield name, tensor.to(dtype)
