@@ -114,3 +114,14 @@ def test_temperature_sharpens() -> None:
     cold = _drawn(row, n=500, temperature=0.05)
     hot = _drawn(row, n=500, temperature=1.0)
     assert len(cold) < len(hot)
+
+
+def test_cpu_argmax_picks_the_first_maximum_like_torch() -> None:
+    from minivllm.worker.sampler import argmax_rows
+
+    logits = random_logits(5)
+    logits[1, 3] = logits[1, 9] = 100.0  # a tie: the first one wins
+    logits[2, 7] = logits[2, 11] = float("nan")  # NaN is the maximum
+    logits[3] = float("-inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(argmax_rows(logits[:, :8]), logits[:, :8].argmax(-1))

@@ -23,6 +23,10 @@ class NullForCausalLM(nn.Module):
         super().__init__()
         self.vocab_size = model_config.vocab_size
         self.fail_at = model_config.hf_config.get("null_fail_at_position")
+        # one-hot logits rows, reused: allocating and zeroing [N, V] every step costs more
+        # than the rest of the worker's step; only last step's ones are cleared
+        self._logits: torch.Tensor | None = None
+        self._hot: torch.Tensor | None = None  # the previous step's token per row
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         if self.fail_at is not None and int(positions.max()) >= self.fail_at:
@@ -30,10 +34,18 @@ class NullForCausalLM(nn.Module):
         return positions.to(torch.float32)[:, None]  # the "hidden state" is the position
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One-hot rows, [N, vocab]. The tensor is reused by the next call."""
+        n = hidden.shape[0]
         span = max(self.vocab_size - _FIRST_ID, 1)
         token = (hidden[:, 0].long() * 7919) % span + _FIRST_ID
-        logits = torch.zeros(hidden.shape[0], self.vocab_size, device=hidden.device)
-        return logits.scatter_(1, token[:, None], 1.0)
+        buf = self._logits
+        if buf is None or buf.shape[0] < n or buf.device != hidden.device:
+            buf = torch.zeros(max(n, 256), self.vocab_size, device=hidden.device)
+            self._logits, self._hot = buf, None
+        elif self._hot is not None:
+            buf[: len(self._hot)].scatter_(1, self._hot[:, None], 0.0)
+        self._hot = token
+        return buf[:n].scatter_(1, token[:, None], 1.0)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         pass  # nothing to load
