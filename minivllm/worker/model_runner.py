@@ -11,7 +11,6 @@ async scheduling the host prepares step N+1 while the GPU runs step N.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
 import numpy as np
@@ -63,20 +62,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _make_attn_backend(self):
-        default = "triton" if self.device.type == "cuda" else "torch"
-        name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "") or default
-        if name == "triton":
-            from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+        from minivllm.worker.attention.selector import get_attention_backend
 
-            backend = TritonAttentionBackend()
-        elif name == "torch":
-            from minivllm.worker.attention.torch_attention import TorchAttentionBackend
-
-            backend = TorchAttentionBackend()
-        else:
-            raise ValueError(
-                f"MINIVLLM_ATTENTION_BACKEND must be 'torch' or 'triton', got {name!r}"
-            )
+        name, backend = get_attention_backend(self.device.type)
         logger.info("attention backend: %s", name)
         return name, backend
 
