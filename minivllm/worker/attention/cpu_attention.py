@@ -73,14 +73,18 @@ def _decode(
     for s in range(0, d, chunk):
         e = min(d, s + chunk)
         blocks = block_table[s:e, :num_blocks].long()
-        keys = kv_cache[0][blocks].flatten(1, 2)  # [b, L, kv_heads, head_dim]
-        values = kv_cache[1][blocks].flatten(1, 2)
-        qg = q[s:e].view(e - s, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys).float() * scale
-        pad = positions[None, :] >= seq_lens[s:e, None]  # [b, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        out[s:e] = torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(e - s, num_heads, -1)
+        keys = kv_cache[0][blocks].flatten(1, 2).transpose(1, 2)  # [b, kv_heads, L, head_dim]
+        values = kv_cache[1][blocks].flatten(1, 2).transpose(1, 2)
+        valid = positions[None, :] < seq_lens[s:e, None]  # [b, L]
+        o = F.scaled_dot_product_attention(
+            q[s:e, :, None, :],
+            keys,
+            values,
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[s:e] = o[:, :, 0]
     return out
 
 
@@ -97,15 +101,12 @@ def _prefill(
     blocks = block_row[: -(-seq_len // block_size)].long()
     keys = kv_cache[0][blocks].flatten(0, 1)[:seq_len]  # [L, kv_heads, head_dim]
     values = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
-    group = num_heads // num_kv_heads
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
+    gqa = num_heads != num_kv_heads
     qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
     if q_len == seq_len:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:  # the queries are the last q_len positions: a causal mask shifted by the prefix
         query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         mask = torch.arange(seq_len)[None, :] <= query_pos
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1)
