@@ -1,0 +1,73 @@
+"""Greedy tokens at every tensor-parallel size are the same (dummy weights of a real geometry).
+
+    python benchmarks/tp_equality.py --geometry qwen3-8b --tp-sizes 1 2 --dtype float32
+
+Run on a machine with as many GPUs as the largest TP size (NCCL_NVLS_ENABLE=0), or on CPU
+with gloo (`--device cpu`, with a small geometry). Prints one line per TP size and exits 1
+if any differs from the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+
+
+def main() -> int:
+    from minivllm import LLM, SamplingParams
+    from minivllm.frontend.bench.geometry import write_geometry
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--geometry", default="qwen3-8b")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(rng.randint(16, 256))]}
+        for _ in range(args.num_prompts)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_geometry(args.geometry, tmp)
+        for tp in args.tp_sizes:
+            start = time.perf_counter()
+            llm = LLM(
+                model,
+                load_format="dummy",
+                dtype=args.dtype,
+                tensor_parallel_size=tp,
+                skip_tokenizer_init=True,
+                max_model_len=1024,
+                device=args.device,
+            )
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            llm.shutdown()
+            results[tp] = [o.outputs[0].token_ids for o in outs]
+            print(
+                f"TP={tp}: {len(results[tp])} x {args.max_tokens} greedy tokens in "
+                f"{time.perf_counter() - start:.1f} s; first: {results[tp][0][:8]}",
+                flush=True,
+            )
+    base = results[args.tp_sizes[0]]
+    same = True
+    for tp, tokens in results.items():
+        agree = sum(
+            a == b for x, y in zip(base, tokens, strict=True) for a, b in zip(x, y, strict=True)
+        )
+        total = sum(len(x) for x in base)
+        print(f"TP={tp} vs TP={args.tp_sizes[0]}: {agree}/{total} tokens equal")
+        same &= tokens == base
+    print("IDENTICAL" if same else "DIFFERENT")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
