@@ -37,6 +37,8 @@ class DecodeGraphs:
         """Capture `forward(B)` (the decode forward of B rows over the static buffers) for
         each size; the largest first, so the smaller ones reuse its memory pool."""
         start = time.monotonic()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(sizes, reverse=True):
@@ -46,6 +48,7 @@ class DecodeGraphs:
                 out = forward(size)
             self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self.sizes = sorted(sizes)
         used = free_before - torch.cuda.mem_get_info()[0]
         logger.info(

@@ -4,6 +4,7 @@ in-process one. Skipped without a CUDA device (see tests/conftest.py)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -45,7 +46,10 @@ def prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
 
 
 def generate(path: str, prompt_ids: list[list[int]], params: SamplingParams, **kw) -> list:
-    args = EngineArgs(model=path, device="cuda", max_model_len=1024, **kw)
+    # a fixed KV budget: earlier engines of this process still hold cached memory
+    args = EngineArgs(
+        model=path, device="cuda", max_model_len=1024, kv_cache_memory_bytes=1 << 30, **kw
+    )
     core = EngineCore(args.create_engine_config())
     for i, p in enumerate(prompt_ids):
         core.add_request(EngineCoreRequest(str(i), p, params))
@@ -55,6 +59,9 @@ def generate(path: str, prompt_ids: list[list[int]], params: SamplingParams, **k
             for o in outs.outputs:
                 got[o.request_id] += o.new_token_ids
     core.shutdown()
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
     return [got[str(i)] for i in range(len(prompt_ids))]
 
 
@@ -63,21 +70,36 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=50, max_tokens=MAX_TOKENS, ignor
 
 
 def test_bf16_top1_agrees_with_transformers(small_dir: str) -> None:
+    """Teacher-forced: at each position the engine generated, transformers' top-1 after the
+    same prefix. A random model has near-ties that bf16 rounding alone flips (transformers'
+    own bf16 and fp32 runs disagree there), so agreement is counted where those two agree."""
     from transformers import AutoModelForCausalLM
 
     ps = prompts()
     outs = generate(small_dir, ps, GREEDY, dtype="bfloat16", distributed_executor_backend="uni")
-    hf = AutoModelForCausalLM.from_pretrained(small_dir, dtype=torch.bfloat16).cuda().eval()
-    agree = total = 0
+    hf = {
+        dtype: AutoModelForCausalLM.from_pretrained(small_dir, dtype=dtype).cuda().eval()
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    agree = decisive = raw_agree = 0
     with torch.no_grad():
         for p, out in zip(ps, outs, strict=True):
             assert len(out) == MAX_TOKENS
             ids = torch.tensor([p + out[:-1]], device="cuda")
-            # teacher-forced: transformers' top-1 after each prefix the engine produced
-            hf_top1 = hf(ids).logits[0, len(p) - 1 :].argmax(-1).tolist()
-            agree += sum(a == b for a, b in zip(hf_top1, out, strict=True))
-            total += len(out)
-    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+            bf16, fp32 = (
+                hf[d](ids).logits[0, len(p) - 1 :].argmax(-1).tolist()
+                for d in (torch.bfloat16, torch.float32)
+            )
+            for ours, b, f in zip(out, bf16, fp32, strict=True):
+                raw_agree += ours == b
+                if b == f:
+                    decisive += 1
+                    agree += ours == b
+    total = MAX_TOKENS * len(ps)
+    assert decisive >= 0.8 * total, f"only {decisive}/{total} positions are decisive"
+    assert agree >= 0.99 * decisive, (
+        f"top-1 agreement {agree}/{decisive} decisive positions ({raw_agree}/{total} in all)"
+    )
 
 
 def test_cuda_graphs_give_the_eager_tokens(small_dir: str) -> None:

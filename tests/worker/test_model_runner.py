@@ -115,7 +115,7 @@ def test_attention_backend_is_chosen_by_env(qwen3_dir: str, monkeypatch) -> None
     args = EngineArgs(model=qwen3_dir, dtype="float32", distributed_executor_backend="uni")
     worker = Worker(args.create_engine_config())
     worker.init_device()
-    assert worker.model_runner.attn_backend_name == "torch"  # the CPU default
+    assert worker.model_runner.attn_backend_name == "cpu"  # the CPU default
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="MINIVLLM_ATTENTION_BACKEND"):
         worker.init_device()
