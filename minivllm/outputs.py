@@ -1,5 +1,6 @@
 """What `LLM.generate` and `AsyncLLM.generate` return: vLLM's `RequestOutput` and
-`CompletionOutput`, with the same fields, meanings and reprs."""
+`CompletionOutput`, with the same fields, meanings and reprs. Slotted: the frontend makes
+one of each per request per step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion (of `n`) of a request.
 
@@ -37,7 +38,7 @@ class CompletionOutput:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one user request: its prompt and its `n` completions.
 

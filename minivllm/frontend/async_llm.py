@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -13,7 +14,7 @@ from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
 from minivllm.frontend.core_client import AsyncMPClient
 from minivllm.frontend.input_processor import InputProcessor
-from minivllm.frontend.output_processor import OutputProcessor
+from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.protocol.sampling_params import SamplingParams
@@ -31,9 +32,14 @@ class AsyncLLM:
         self.tokenizer = None if skip else load_tokenizer(model_config.tokenizer)
         self.input_processor = InputProcessor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, RequestOutputCollector] = {}  # by user request id
         self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
+        # Streaming makes a few objects per request per step, so collections are frequent;
+        # the start-up heap (torch, transformers, the tokenizer) never needs scanning again.
+        # Full collections over it cost ~100 ms each, a stall of every stream.
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -68,17 +74,20 @@ class AsyncLLM:
         if self.dead is not None:
             raise self.dead
         self._ensure_handler()
+        # the output processor puts this request's outputs straight into its queue
+        queue = RequestOutputCollector(sampling_params.output_kind)
         requests = self.output_processor.add_user_request(
-            request_id, prompt, sampling_params, self.input_processor
+            request_id, prompt, sampling_params, self.input_processor, queue=queue
         )
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
             for request in requests:
                 await self.client.add_request_async(request)
             while not finished:
-                out = queue.get_nowait() if not queue.empty() else await queue.get()
+                out = queue.get_nowait()
+                if out is None:
+                    out = await queue.get()
                 if isinstance(out, BaseException):
                     finished = True
                     raise out
@@ -95,7 +104,7 @@ class AsyncLLM:
             self._abort_now(r)
             queue = self._queues.pop(r, None)
             if queue is not None:
-                queue.put_nowait(asyncio.CancelledError(f"request {r} was aborted"))
+                queue.put(asyncio.CancelledError(f"request {r} was aborted"))
 
     def _abort_now(self, request_id: str) -> None:
         internal = self.output_processor.abort_user_requests([request_id])
@@ -108,7 +117,8 @@ class AsyncLLM:
             self._handler = asyncio.create_task(self._output_handler(), name="output-handler")
 
     async def _output_handler(self) -> None:
-        """Route each step's outputs to the queues of the requests they belong to."""
+        """Process each step's outputs; the output processor puts them into the queues of
+        the requests they belong to, errors are raised into them here."""
         try:
             while True:
                 outputs = await self.client.get_output_async()
@@ -116,24 +126,20 @@ class AsyncLLM:
                 for request_id, error in processed.errors.items():
                     queue = self._queues.get(request_id)
                     if queue is not None:
-                        queue.put_nowait(ValueError(f"request {request_id} failed: {error}"))
-                for out in processed.request_outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None and out.request_id not in processed.errors:
-                        queue.put_nowait(out)
+                        queue.put(ValueError(f"request {request_id} failed: {error}"))
                 if processed.reqs_to_abort:
                     await self.client.abort_requests_async(processed.reqs_to_abort)
         except EngineDeadError as e:
             self.dead = e
             for queue in self._queues.values():
-                queue.put_nowait(e)
+                queue.put(e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave callers hanging
             logger.exception("output handler failed")
             self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
             for queue in self._queues.values():
-                queue.put_nowait(self.dead)
+                queue.put(self.dead)
 
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async("stats")

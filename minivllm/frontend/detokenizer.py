@@ -49,8 +49,7 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         # Prime the stream with the end of the prompt, so that the first output token
         # decodes as it would in context (sentencepiece drops a leading space otherwise).
-        for token_id in _clean_suffix(self._tokenizer, prompt_token_ids):
-            self._step(token_id)
+        self._decode(_clean_suffix(self._tokenizer, prompt_token_ids))
         self._pending_ids.clear()
 
     def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
@@ -61,23 +60,26 @@ class IncrementalDetokenizer:
         finished, bytes still waiting for the rest of their character are released as '�',
         so the final text equals `tokenizer.decode(token_ids)`.
         """
-        if finish_reason == FinishReason.STOP and not self.include_stop_str_in_output:
-            to_decode = new_token_ids[:-1]
-        else:
-            to_decode = new_token_ids
+        to_decode = new_token_ids
+        if finish_reason is not None:
+            if finish_reason == FinishReason.STOP and not self.include_stop_str_in_output:
+                to_decode = new_token_ids[:-1]
+        num_before = self.num_output_tokens
+        self.num_output_tokens = num_before + len(new_token_ids)
+        if not self.stop:
+            self.output_text += self._decode(to_decode)
+            self._flush_pending(finish_reason)
+            return None
+        # stop strings count only after min_tokens: the text of the ids before it is not
+        # searched
+        num_unchecked = min(max(self.min_tokens - num_before, 0), len(to_decode))
+        if num_unchecked:
+            self.output_text += self._decode(to_decode[:num_unchecked])
+            to_decode = to_decode[num_unchecked:]
         stop_check_offset = len(self.output_text)
-        for token_id in to_decode:
-            self.num_output_tokens += 1
-            self.output_text += self._step(token_id)
-            if self.num_output_tokens <= self.min_tokens:
-                stop_check_offset = len(self.output_text)  # no stop strings before min_tokens
-        self.num_output_tokens += len(new_token_ids) - len(to_decode)
-        if finish_reason is not None and self._pending_ids:
-            self.output_text += self._hf_tokenizer.decode(
-                self._pending_ids, skip_special_tokens=self.skip_special_tokens
-            )
-            self._pending_ids.clear()
-        if not self.stop or self.num_output_tokens <= self.min_tokens:
+        self.output_text += self._decode(to_decode)
+        self._flush_pending(finish_reason)
+        if self.num_output_tokens <= self.min_tokens:
             return None
         hit = find_stop_string(
             self.output_text,
@@ -104,21 +106,36 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = end
         return self.output_text[start:end]
 
-    def _step(self, token_id: int) -> str:
-        self._pending_ids.append(token_id)
-        try:
-            text = self._stream.step(self._tokenizer, token_id)
-        except (OverflowError, TypeError):
-            text = None  # an id the tokenizer cannot even represent; it decodes to nothing
-        except Exception as e:
-            if not str(e).startswith(_INVALID_PREFIX):
-                raise
-            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            text = self._stream.step(self._tokenizer, token_id)
-        if text is None:
-            return ""
-        self._pending_ids.clear()
+    def _decode(self, token_ids: list[int]) -> str:
+        """The text that `token_ids` complete; ids of an unfinished character stay pending."""
+        text = ""
+        stream, tokenizer, pending = self._stream, self._tokenizer, self._pending_ids
+        for token_id in token_ids:
+            pending.append(token_id)
+            try:
+                piece = stream.step(tokenizer, token_id)
+            except Exception as e:
+                piece = self._restart_stream(token_id, e)
+                stream = self._stream
+            if piece is not None:
+                pending.clear()
+                text += piece
         return text
+
+    def _flush_pending(self, finish_reason: FinishReason | None) -> None:
+        if finish_reason is not None and self._pending_ids:
+            self.output_text += self._hf_tokenizer.decode(
+                self._pending_ids, skip_special_tokens=self.skip_special_tokens
+            )
+            self._pending_ids.clear()
+
+    def _restart_stream(self, token_id: int, error: Exception) -> str | None:
+        if isinstance(error, (OverflowError, TypeError)):
+            return None  # an id the tokenizer cannot even represent; it decodes to nothing
+        if not str(error).startswith(_INVALID_PREFIX):
+            raise error
+        self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        return self._stream.step(self._tokenizer, token_id)
 
 
 def _clean_suffix(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[int]:

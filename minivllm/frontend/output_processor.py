@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,63 @@ class ProcessedOutputs:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+class RequestOutputCollector:
+    """The output of one request that its consumer has not taken yet (AsyncLLM).
+
+    Outputs that arrive before the consumer took the previous one are merged (DELTA: text
+    and ids appended) or replace it (CUMULATIVE, FINAL_ONLY: the newest says it all), so a
+    slow consumer gets fewer, larger outputs instead of a growing queue, as in vLLM. An
+    exception replaces whatever waits and ends the stream.
+    """
+
+    __slots__ = ("output", "_delta", "_waiter")
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.output: RequestOutput | BaseException | None = None
+        self._delta = output_kind == RequestOutputKind.DELTA
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        prev = self.output
+        if prev is None or isinstance(output, BaseException) or not self._delta:
+            self.output = output
+        elif isinstance(prev, RequestOutput):
+            _merge_delta(prev, output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while (output := self.output) is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self.output = None
+        return output
+
+    def get_nowait(self) -> RequestOutput | BaseException | None:
+        output, self.output = self.output, None
+        return output
+
+
+def _merge_delta(prev: RequestOutput, new: RequestOutput) -> None:
+    """Append DELTA output `new` to `prev`, completion by completion (n > 1: by index)."""
+    by_index = {c.index: c for c in prev.outputs}
+    for completion in new.outputs:
+        into = by_index.get(completion.index)
+        if into is None:
+            prev.outputs.append(completion)
+            continue
+        into.text += completion.text
+        into.token_ids = into.token_ids + completion.token_ids
+        into.finish_reason = completion.finish_reason
+        into.stop_reason = completion.stop_reason
+    prev.finished = new.finished
+    prev.num_cached_tokens = new.num_cached_tokens
+
+
 class RequestState:
     """One engine-core request as the frontend tracks it: its tokens, text and owner."""
 
@@ -41,21 +99,26 @@ class RequestState:
         detokenizer: IncrementalDetokenizer | None,
         parent: ParentRequest | None,
         index: int,
+        queue: RequestOutputCollector | None = None,
     ) -> None:
         self.internal_id = internal_id
         self.user_request_id = user_request_id
         self.prompt_text = prompt_text
         self.prompt_token_ids = prompt_token_ids
         self.output_kind = params.output_kind
+        self.delta = params.output_kind == RequestOutputKind.DELTA
+        self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.detokenizer = detokenizer
         self.parent = parent
         self.index = index
-        self.token_ids: list[int] = []
+        self.queue = queue  # where AsyncLLM's consumer waits; None: returned to the caller
+        self.token_ids: list[int] = []  # all of them; not kept for DELTA
         self.num_cached_tokens = 0
 
     def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
         """Take one step's ids; return the stop string that ended the text, if any."""
-        self.token_ids.extend(new_token_ids)
+        if not self.delta:
+            self.token_ids.extend(new_token_ids)
         if self.detokenizer is None:
             return None
         return self.detokenizer.update(new_token_ids, finish_reason)
@@ -68,18 +131,21 @@ class RequestState:
     ) -> CompletionOutput | None:
         """This step's view of the completion for the output kind, or None if nothing is due."""
         finished = finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if self.final_only and not finished:
             return None
-        delta = self.output_kind == RequestOutputKind.DELTA
+        delta = self.delta
         text = ""
         if self.detokenizer is not None:
             text = self.detokenizer.get_next_output_text(finished, delta)
         return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=list(new_token_ids) if delta else list(self.token_ids),
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason,
+            self.index,
+            text,
+            # DELTA: the decoded message's own list, which nothing else holds
+            new_token_ids if delta else list(self.token_ids),
+            None,
+            None,
+            str(finish_reason) if finished else None,
+            stop_reason,
         )
 
 
@@ -103,15 +169,21 @@ class OutputProcessor:
         params: SamplingParams,
         input_processor: InputProcessor,
         arrival_time: float | None = None,
+        queue: RequestOutputCollector | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate and register one user request; return the core requests to send
-        (n of them when params.n > 1). Raises ValueError for bad input or a running id."""
+        (n of them when params.n > 1). Raises ValueError for bad input or a running id.
+        With a `queue`, its outputs go there instead of into `process_outputs`' result."""
         self._check_new_user_id(request_id)
         prompt_text, request = input_processor.process(request_id, prompt, params, arrival_time)
-        return self.add_engine_request(request_id, prompt_text, request)
+        return self.add_engine_request(request_id, prompt_text, request, queue)
 
     def add_engine_request(
-        self, user_request_id: str, prompt_text: str | None, request: EngineCoreRequest
+        self,
+        user_request_id: str,
+        prompt_text: str | None,
+        request: EngineCoreRequest,
+        queue: RequestOutputCollector | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a processed request (see `InputProcessor.process`), fanning it out when
         n > 1; return the core requests to send."""
@@ -130,6 +202,7 @@ class OutputProcessor:
                 child.sampling_params,
                 parent=parent,
                 index=index,
+                queue=queue,
             )
         return children
 
@@ -142,6 +215,7 @@ class OutputProcessor:
         params: SamplingParams,
         parent: ParentRequest | None = None,
         index: int = 0,
+        queue: RequestOutputCollector | None = None,
     ) -> None:
         """Track one engine-core request; `parent` and `index` place it among n > 1 siblings."""
         if internal_id in self.request_states:
@@ -160,14 +234,18 @@ class OutputProcessor:
             detokenizer,
             parent,
             index,
+            queue,
         )
         self.user_requests.setdefault(user_request_id, []).append(internal_id)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Turn one step's engine-core outputs into user-facing `RequestOutput`s."""
+        """Turn one step's engine-core outputs into user-facing `RequestOutput`s: put into
+        the request's queue if it has one, else returned."""
         result = ProcessedOutputs()
+        request_outputs = result.request_outputs
+        states = self.request_states
         for out in outputs:
-            state = self.request_states.get(out.request_id)
+            state = states.get(out.request_id)
             if state is None:
                 continue  # ended here already (stop string, abort); the core's late news
             if out.num_cached_tokens:
@@ -184,10 +262,25 @@ class OutputProcessor:
             completion = state.completion(out.new_token_ids, finish_reason, stop_reason)
             if finish_reason is not None:
                 self._forget(state)
-            if completion is not None:
+            if completion is None:
+                continue
+            if state.parent is None:
+                request_output = RequestOutput(
+                    state.user_request_id,
+                    state.prompt_text,
+                    state.prompt_token_ids,
+                    [completion],
+                    finish_reason is not None,
+                    state.num_cached_tokens,
+                )
+            else:
                 request_output = self._request_output(state, completion)
-                if request_output is not None:
-                    result.request_outputs.append(request_output)
+                if request_output is None:
+                    continue
+            if state.queue is not None:
+                state.queue.put(request_output)
+            else:
+                request_outputs.append(request_output)
         return result
 
     def abort_requests(self, internal_ids: list[str]) -> list[RequestOutput]:
@@ -232,7 +325,8 @@ class OutputProcessor:
 
     def _fail(self, state: RequestState, error: str, result: ProcessedOutputs) -> None:
         """A request failed: end it (and its n > 1 siblings, which the core must drop too)
-        with one final 'error' output, and record the error for the caller to raise."""
+        with one final 'error' output, and record the error for the caller to raise. The
+        output is returned, never queued: the caller raises the error to the consumer."""
         user_id = state.user_request_id
         result.errors[user_id] = error
         for internal_id in self.user_requests.get(user_id, []):
