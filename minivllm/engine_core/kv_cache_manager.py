@@ -85,8 +85,20 @@ class KVCacheManager:
         newly allocated blocks (hit blocks excluded), or None, changing nothing, when there
         are not enough free blocks.
         """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # a running request whose last block has room (most decode steps): nothing to
+            # allocate, and nothing to cache unless a block became full of known tokens
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * self.block_size and (
+                not self.enable_caching
+                or min(num_total, len(request.all_token_ids)) // self.block_size
+                <= self.num_cached_blocks[request.request_id]
+            ):
+                return []
         new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if req_blocks is None:
+            req_blocks = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
         num_new_blocks = max(

@@ -24,10 +24,10 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
@@ -71,6 +71,11 @@ class Request:
             set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         )
         self.stop_token_ids: set[int] = set(sampling_params.stop_token_ids or ())
+        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # either: check the rules
+        # tokens (prompt + output) at which it ends by length; the scheduler sets it
+        self.max_num_tokens = len(self.prompt_token_ids) + (
+            sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
+        )
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0

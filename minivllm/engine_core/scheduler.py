@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
-from minivllm.engine_core.request import Request, RequestStatus
+from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -75,6 +75,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        max_tokens = request.sampling_params.max_tokens
+        request.max_num_tokens = (
+            self.max_len if max_tokens is None else min(self.max_len, n + max_tokens)
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -132,29 +136,37 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached_reqs = CachedRequestData()
-        new_reqs: list[Request] = []
+        cached_ids = cached_reqs.req_ids
+        cached_block_ids = cached_reqs.new_block_ids
+        cached_computed = cached_reqs.num_computed_tokens
+        new_reqs: list[NewRequestData] = []
         preempted = False
 
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new <= 0:
                 i += 1
                 continue
             while (new_block_ids := kv.allocate_slots(request, num_new)) is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if new_block_ids is None:
                 break
-            cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-            num_scheduled[request.request_id] = num_new
+            request_id = request.request_id
+            cached_ids.append(request_id)
+            cached_block_ids.append(new_block_ids)
+            cached_computed.append(request.num_computed_tokens)
+            num_scheduled[request_id] = num_new
             budget -= num_new
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= len(request.all_token_ids):
+                request.num_output_placeholders += 1  # this step samples its next token
             i += 1
 
         # a step that had to preempt has no room to spare for newcomers
@@ -162,7 +174,7 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             if request.num_output_placeholders:
@@ -175,30 +187,28 @@ class Scheduler:
             if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                 break
             self.waiting.popleft()
-            self.running.append(request)
+            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            new_reqs.append(request)
+            new_reqs.append(self._new_request_data(request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1
 
         output = SchedulerOutput(
             step_id=self.step_id,
-            scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
+            scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=sorted(self.finished_req_ids),
         )
         self.finished_req_ids = set()
         self.step_id += 1
-        for request_id, n in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens >= request.num_tokens:
-                request.num_output_placeholders += 1  # this step samples its next token
         return output
 
     def update_from_output(
@@ -210,44 +220,65 @@ class Scheduler:
         previous step) are gone from `self.requests`: their extra token is dropped.
         """
         outputs: ClientOutputs = {}
+        client_outputs: list[EngineCoreOutput] | None = None
+        last_client = None
+        requests = self.requests
+        num_generated = 0
         runner = model_runner_output
         for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None or not sampled:
                 continue
-            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
-            new_token_ids = []
-            for token_id in sampled:
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                self.num_generated_tokens += 1
-                if self._check_stop(request):
-                    break
-            if request.is_finished:
-                self._finish(request, request.status)
-            out = self._make_output(request, new_token_ids)
-            outputs.setdefault(request.client_id, []).append(out)
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            if len(sampled) == 1:  # the common case, without a loop
+                token_id = sampled[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                num_generated += 1
+                new_token_ids = sampled  # the decoded message's list: nothing else holds it
+                if (
+                    token_id in request.stop_ids
+                    or len(request.all_token_ids) >= request.max_num_tokens
+                ):
+                    self._check_stop(request)
+            else:
+                new_token_ids = []
+                for token_id in sampled:
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    num_generated += 1
+                    if self._check_stop(request):
+                        break
+            status = request.status
+            if status >= RequestStatus.FINISHED_STOPPED:
+                self._finish(request, status)
+            out = EngineCoreOutput(
+                request_id,
+                new_token_ids,
+                FINISH_REASONS.get(status),
+                request.stop_reason,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            )
+            if request.client_id != last_client:
+                last_client = request.client_id
+                client_outputs = outputs.setdefault(last_client, [])
+            client_outputs.append(out)
+        self.num_generated_tokens += num_generated
         return outputs
 
     # ------------------------------------------------------------------ helpers
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_pending = request.num_tokens + request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        if request.num_output_placeholders and (
-            num_pending >= self.max_len
-            or (
-                max_tokens is not None
-                and request.num_output_tokens + request.num_output_placeholders >= max_tokens
-            )
-        ):
+        num_pending = len(request.all_token_ids) + request.num_output_placeholders
+        if request.num_output_placeholders and num_pending >= request.max_num_tokens:
             return 0  # the token in flight ends it by length: nothing more to compute
-        num_new = num_pending - request.num_computed_tokens
-        return min(num_new, budget, self.max_len - request.num_computed_tokens)
+        num_computed = request.num_computed_tokens
+        return min(num_pending - num_computed, budget, self.max_len - num_computed)
 
     def _check_stop(self, request: Request) -> bool:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        """Set the status of a request that its last token ends; True if it ended."""
+        if request.num_output_tokens >= request.sampling_params.min_tokens:
             last = request.output_token_ids[-1]
             if last in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -256,9 +287,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if request.num_tokens >= self.max_len or (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-        ):
+        # max_num_tokens: max_len, or the prompt plus max_tokens if that is less
+        if request.num_tokens >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
