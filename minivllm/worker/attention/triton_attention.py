@@ -54,7 +54,7 @@ def _store_kv_kernel(
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,
@@ -145,7 +145,7 @@ def _merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
     first_seq, scale_log2,
@@ -207,12 +207,15 @@ def _prefill_kernel(
 def num_decode_splits(num_decodes: int, num_kv_heads: int, max_splits: int = 16) -> int:
     """Key-range splits per decode (sequence, kv head): enough programs to fill an H100.
 
-    Depends only on the padded batch size and the model, so a captured graph keeps it.
+    Depends only on the padded batch size and the model, so a captured graph keeps it. A
+    power of two, so only five kernel variants exist and all are compiled while the decode
+    graphs are captured, never in the middle of a run.
     """
     work = num_decodes * num_kv_heads
     if work >= 256:
         return 1
-    return max(1, min(max_splits, -(-512 // work)))
+    wanted = max(1, min(max_splits, -(-512 // work)))
+    return 1 << (wanted.bit_length() - 1)
 
 
 class TritonAttentionBackend:

@@ -18,7 +18,8 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
-    triton = SimpleNamespace(jit=lambda fn=None, **_: fn)
+    # `@triton.jit` and `@triton.jit(...)` both leave the function as it is
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f))
     tl = SimpleNamespace(constexpr=None)
 
 
