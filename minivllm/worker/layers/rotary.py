@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from minivllm.worker.layers import ops
+from minivllm.worker.layers.norm import RMSNorm
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -44,8 +45,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their token positions; cos/sin for every position up to
-    max_positions are computed once, in float32."""
+    """Rotates q and k by their token positions, after the optional per-head q/k RMSNorm
+    (Qwen3). One table of cos|sin for every position up to max_positions, float32, built once
+    and shared by all layers. On CUDA, norm and rotation are one in-place kernel."""
 
     def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -56,11 +58,35 @@ class RotaryEmbedding(nn.Module):
         if scaling["rope_type"] == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
+        )
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
-        return ops.apply_rope(q, k, self.cos_cache[positions], self.sin_cache[positions])
+        if q.is_cuda:
+            from minivllm.worker.ops.rotary import qk_norm_rope
+
+            apply_norm = q_norm is not None and k_norm is not None
+            qk_norm_rope(
+                q,
+                k,
+                q_norm.weight if apply_norm else None,
+                k_norm.weight if apply_norm else None,
+                self.cos_sin_cache,
+                positions,
+                q_norm.eps if apply_norm else 0.0,
+                apply_norm,
+            )
+            return q, k
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        return ops.apply_rope(q, k, cos, sin)

@@ -47,6 +47,7 @@ class Attention(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         params_dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         hf = config.hf_config
@@ -72,7 +73,7 @@ class Attention(nn.Module):
             bias=bool(hf.get("attention_bias", False)) and not variant.qkv_bias,
             params_dtype=params_dtype,
         )
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_model_len, hf)
+        self.rotary_emb = rotary_emb  # shared by all layers
         eps = float(hf["rms_norm_eps"])
         self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
@@ -90,9 +91,7 @@ class Attention(nn.Module):
         q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
         k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
         v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, q_size))
 
@@ -124,10 +123,13 @@ class DecoderLayer(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         params_dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
-        self.self_attn = Attention(config, variant, layer_idx, tp, backend, params_dtype)
+        self.self_attn = Attention(
+            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
+        )
         self.mlp = MLP(config, tp, params_dtype)
         self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
@@ -162,8 +164,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, tp, backend, params_dtype)
+            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
