@@ -3,15 +3,20 @@
 Text is decoded one token at a time with the Rust `tokenizers.decoders.DecodeStream`, which
 keeps a short window of ids and yields new text only once it is valid UTF-8: a byte-level
 BPE token can carry half of an emoji, and '�' must not reach the user until the other half
-arrives. Stop strings are searched in the new text only (plus the tail that a stop string
+arrives. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) take a faster road to the same
+text: every token is a fixed byte string, so a table lookup and Python's incremental UTF-8
+decoder replace the Rust call (~0.3 µs instead of ~0.85 µs per token). Stop strings are searched in the new text only (plus the tail that a stop string
 could straddle), and that tail is held back from streamed output until it is known not to
 start a stop string.
 """
 
 from __future__ import annotations
 
+import codecs
+import weakref
+
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from minivllm.frontend.tokenizer import Tokenizer as HFTokenizer
 from minivllm.protocol.messages import FinishReason
@@ -46,6 +51,11 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self._pending_ids: list[int] = []  # stepped, but their text is not out yet
         self._last_output_text_offset = 0
+        self._bytes = byte_level_table(tokenizer, self.skip_special_tokens)
+        if self._bytes is not None:
+            # context-free: a token's bytes do not depend on the tokens before it
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            return
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         # Prime the stream with the end of the prompt, so that the first output token
         # decodes as it would in context (sentencepiece drops a leading space otherwise).
@@ -108,6 +118,13 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         """The text that `token_ids` complete; ids of an unfinished character stay pending."""
+        table = self._bytes
+        if table is not None:
+            n = len(table)
+            if len(token_ids) == 1:
+                i = token_ids[0]
+                return self._utf8.decode(table[i] if 0 <= i < n else b"")
+            return self._utf8.decode(b"".join([table[i] for i in token_ids if 0 <= i < n]))
         text = ""
         stream, tokenizer, pending = self._stream, self._tokenizer, self._pending_ids
         for token_id in token_ids:
@@ -123,7 +140,11 @@ class IncrementalDetokenizer:
         return text
 
     def _flush_pending(self, finish_reason: FinishReason | None) -> None:
-        if finish_reason is not None and self._pending_ids:
+        if finish_reason is None:
+            return
+        if self._bytes is not None:
+            self.output_text += self._utf8.decode(b"", final=True)  # a cut character: '�'
+        elif self._pending_ids:
             self.output_text += self._hf_tokenizer.decode(
                 self._pending_ids, skip_special_tokens=self.skip_special_tokens
             )
@@ -136,6 +157,50 @@ class IncrementalDetokenizer:
             raise error
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         return self._stream.step(self._tokenizer, token_id)
+
+
+_TABLES: weakref.WeakKeyDictionary[HFTokenizer, dict[bool, list[bytes] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def byte_level_table(tokenizer: HFTokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """The bytes of every token id, for a tokenizer whose decoder is `ByteLevel` alone
+    (None for any other): exactly what the Rust decoder joins and decodes, so the text of
+    any id sequence is `b"".join(table[i] ...).decode("utf-8", "replace")`. Built once per
+    tokenizer and flag (~0.1 s for a 150k vocabulary)."""
+    tables = _TABLES.setdefault(tokenizer, {})
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = _build_byte_level_table(tokenizer, skip_special_tokens)
+    return tables[skip_special_tokens]
+
+
+def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> list[bytes] | None:
+    backend: Tokenizer = tokenizer.backend_tokenizer
+    if not isinstance(backend.decoder, ByteLevel):
+        return None
+    char_to_byte = _byte_level_chars()
+    specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    table = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(i)
+        if token is None or (skip_special and i in specials):
+            table.append(b"")
+        elif all(c in char_to_byte for c in token):
+            table.append(bytes([char_to_byte[c] for c in token]))
+        else:  # as the Rust decoder does: a token with other characters stays as it is
+            table.append(token.encode())
+    return table
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's map from the 256 printable stand-in characters back to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in printable]
+    chars.update({chr(256 + n): b for n, b in enumerate(others)})
+    return chars
 
 
 def _clean_suffix(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[int]:
