@@ -47,10 +47,13 @@ class IncrementalDetokenizer:
             if self.stop and not self.include_stop_str_in_output
             else 0
         )
-        self.output_text = ""
+        # the output text in pieces, joined when read (`output_text`): appending to one
+        # growing string would copy all of it every step
+        self._parts: list[str] = []
+        self._unreleased: list[str] = []  # without stop strings: text no delta returned yet
         self.num_output_tokens = 0
         self._pending_ids: list[int] = []  # stepped, but their text is not out yet
-        self._last_output_text_offset = 0
+        self._last_output_text_offset = 0  # with stop strings: characters returned so far
         self._bytes = byte_level_table(tokenizer, self.skip_special_tokens)
         if self._bytes is not None:
             # context-free: a token's bytes do not depend on the tokens before it
@@ -77,17 +80,17 @@ class IncrementalDetokenizer:
         num_before = self.num_output_tokens
         self.num_output_tokens = num_before + len(new_token_ids)
         if not self.stop:
-            self.output_text += self._decode(to_decode)
+            self._append(self._decode(to_decode))
             self._flush_pending(finish_reason)
             return None
         # stop strings count only after min_tokens: the text of the ids before it is not
         # searched
         num_unchecked = min(max(self.min_tokens - num_before, 0), len(to_decode))
         if num_unchecked:
-            self.output_text += self._decode(to_decode[:num_unchecked])
+            self._append(self._decode(to_decode[:num_unchecked]))
             to_decode = to_decode[num_unchecked:]
         stop_check_offset = len(self.output_text)
-        self.output_text += self._decode(to_decode)
+        self._append(self._decode(to_decode))
         self._flush_pending(finish_reason)
         if self.num_output_tokens <= self.min_tokens:
             return None
@@ -103,9 +106,33 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:truncate_to]
         return stop_str
 
+    @property
+    def output_text(self) -> str:
+        parts = self._parts
+        if len(parts) != 1:
+            parts[:] = ["".join(parts)]
+        return parts[0]
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._parts[:] = [text]
+
+    def _append(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            if not self.stop:
+                self._unreleased.append(text)
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show now: all of it, or (delta) only what was not shown before.
         The stop-string tail is held back until the request finishes."""
+        if delta and not self.stop:
+            unreleased = self._unreleased
+            if len(unreleased) == 1:
+                return unreleased.pop()
+            text = "".join(unreleased)
+            unreleased.clear()
+            return text
         hold = 0 if finished else self.stop_buffer_length
         end = max(len(self.output_text) - hold, 0)
         if not delta:
@@ -143,10 +170,12 @@ class IncrementalDetokenizer:
         if finish_reason is None:
             return
         if self._bytes is not None:
-            self.output_text += self._utf8.decode(b"", final=True)  # a cut character: '�'
+            self._append(self._utf8.decode(b"", final=True))  # a cut character: '�'
         elif self._pending_ids:
-            self.output_text += self._hf_tokenizer.decode(
-                self._pending_ids, skip_special_tokens=self.skip_special_tokens
+            self._append(
+                self._hf_tokenizer.decode(
+                    self._pending_ids, skip_special_tokens=self.skip_special_tokens
+                )
             )
             self._pending_ids.clear()
 
