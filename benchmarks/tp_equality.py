@@ -27,6 +27,7 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args()
     rng = random.Random(0)
     prompts = [

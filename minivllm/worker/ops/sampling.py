@@ -28,11 +28,13 @@ def _gumbel_quarter(logits_row, idx, vocab, bits, greedy, inv_t, threshold, best
     return tl.where(better, z, best_val), tl.where(better, idx, best_idx)
 
 
-@triton.jit
+# The chunk counts vary with the number of rows every step: as plain (unspecialized) ints
+# they never trigger a recompile in the middle of a run.
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_chunks"])
 def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
-    part_idx_ptr, vocab, tiles_per_chunk,
-    NUM_CHUNKS: tl.constexpr, QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+    part_idx_ptr, vocab, tiles_per_chunk, num_chunks,
+    QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -71,8 +73,8 @@ def _sample_kernel(
         )
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
-    tl.store(part_val_ptr + row * NUM_CHUNKS + chunk, top)
-    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, top_idx)
+    tl.store(part_val_ptr + row * num_chunks + chunk, top)
+    tl.store(part_idx_ptr + row * num_chunks + chunk, top_idx)
 
 
 def keep_threshold(
@@ -138,8 +140,8 @@ def sample(
     part_idx = torch.empty((num_rows, chunks), dtype=torch.int32, device=logits.device)
     _sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
-        seeds, positions, part_val, part_idx, vocab, tiles_per_chunk,
-        NUM_CHUNKS=chunks, QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, num_warps=8,
+        seeds, positions, part_val, part_idx, vocab, tiles_per_chunk, chunks,
+        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, num_warps=8,
     )  # fmt: skip
     if chunks == 1:
         return part_idx[:, 0].long()
