@@ -54,10 +54,10 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self._pending_ids: list[int] = []  # stepped, but their text is not out yet
         self._last_output_text_offset = 0  # with stop strings: characters returned so far
-        self._bytes = byte_level_table(tokenizer, self.skip_special_tokens)
-        if self._bytes is not None:
+        self._table = byte_level_table(tokenizer, self.skip_special_tokens)
+        if self._table is not None:
             # context-free: a token's bytes do not depend on the tokens before it
-            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._utf8_pending = b""  # the start of a character whose other bytes are due
             return
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         # Prime the stream with the end of the prompt, so that the first output token
@@ -145,13 +145,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         """The text that `token_ids` complete; ids of an unfinished character stay pending."""
-        table = self._bytes
-        if table is not None:
-            n = len(table)
-            if len(token_ids) == 1:
-                i = token_ids[0]
-                return self._utf8.decode(table[i] if 0 <= i < n else b"")
-            return self._utf8.decode(b"".join([table[i] for i in token_ids if 0 <= i < n]))
+        if self._table is not None:
+            return self._decode_bytes(token_ids)
         text = ""
         stream, tokenizer, pending = self._stream, self._tokenizer, self._pending_ids
         for token_id in token_ids:
@@ -166,11 +161,33 @@ class IncrementalDetokenizer:
                 text += piece
         return text
 
+    def _decode_bytes(self, token_ids: list[int]) -> str:
+        """`_decode` through the byte-level table: most tokens are whole characters, whose
+        text is in the table; the others go through the UTF-8 decoder with what is pending."""
+        table = self._table
+        assert table is not None
+        token_bytes, token_texts = table
+        n = len(token_bytes)
+        text = ""
+        for i in token_ids:
+            if not 0 <= i < n:
+                continue  # an id the tokenizer does not know decodes to nothing
+            if not self._utf8_pending and (piece := token_texts[i]) is not None:
+                text += piece
+                continue
+            data = self._utf8_pending + token_bytes[i]
+            piece, consumed = codecs.utf_8_decode(data, "replace", False)
+            self._utf8_pending = data[consumed:]
+            text += piece
+        return text
+
     def _flush_pending(self, finish_reason: FinishReason | None) -> None:
         if finish_reason is None:
             return
-        if self._bytes is not None:
-            self._append(self._utf8.decode(b"", final=True))  # a cut character: '�'
+        if self._table is not None:
+            if self._utf8_pending:  # a cut character: '�'
+                self._append(codecs.utf_8_decode(self._utf8_pending, "replace", True)[0])
+                self._utf8_pending = b""
         elif self._pending_ids:
             self._append(
                 self._hf_tokenizer.decode(
@@ -188,23 +205,25 @@ class IncrementalDetokenizer:
         return self._stream.step(self._tokenizer, token_id)
 
 
-_TABLES: weakref.WeakKeyDictionary[HFTokenizer, dict[bool, list[bytes] | None]] = (
+ByteTable = tuple[list[bytes], list[str | None]]
+_TABLES: weakref.WeakKeyDictionary[HFTokenizer, dict[bool, ByteTable | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def byte_level_table(tokenizer: HFTokenizer, skip_special_tokens: bool) -> list[bytes] | None:
-    """The bytes of every token id, for a tokenizer whose decoder is `ByteLevel` alone
-    (None for any other): exactly what the Rust decoder joins and decodes, so the text of
-    any id sequence is `b"".join(table[i] ...).decode("utf-8", "replace")`. Built once per
-    tokenizer and flag (~0.1 s for a 150k vocabulary)."""
+def byte_level_table(tokenizer: HFTokenizer, skip_special_tokens: bool) -> ByteTable | None:
+    """The bytes of every token id, and its text where those bytes are whole characters
+    (else None), for a tokenizer whose decoder is `ByteLevel` alone (None for any other).
+    The bytes are exactly what the Rust decoder joins and decodes, so the text of any id
+    sequence is `b"".join(bytes[i] ...).decode("utf-8", "replace")`. Built once per
+    tokenizer and flag (~0.2 s for a 150k vocabulary)."""
     tables = _TABLES.setdefault(tokenizer, {})
     if skip_special_tokens not in tables:
         tables[skip_special_tokens] = _build_byte_level_table(tokenizer, skip_special_tokens)
     return tables[skip_special_tokens]
 
 
-def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> list[bytes] | None:
+def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteTable | None:
     backend: Tokenizer = tokenizer.backend_tokenizer
     if not isinstance(backend.decoder, ByteLevel):
         return None
@@ -219,7 +238,13 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> list[
             table.append(bytes([char_to_byte[c] for c in token]))
         else:  # as the Rust decoder does: a token with other characters stays as it is
             table.append(token.encode())
-    return table
+    texts: list[str | None] = []
+    for token_bytes in table:
+        try:
+            texts.append(token_bytes.decode())
+        except UnicodeDecodeError:
+            texts.append(None)
+    return table, texts
 
 
 def _byte_level_chars() -> dict[str, int]:
