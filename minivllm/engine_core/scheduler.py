@@ -143,10 +143,16 @@ class Scheduler:
         preempted = False
 
         running = self.running
+        max_len = self.max_len
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = self._num_tokens_to_schedule(request, budget)
+            num_computed = request.num_computed_tokens
+            num_pending = len(request.all_token_ids) + request.num_output_placeholders
+            if request.num_output_placeholders and num_pending >= request.max_num_tokens:
+                i += 1  # the token in flight ends it by length: nothing more to compute
+                continue
+            num_new = min(num_pending - num_computed, budget, max_len - num_computed)
             if num_new <= 0:
                 i += 1
                 continue
@@ -161,11 +167,11 @@ class Scheduler:
             request_id = request.request_id
             cached_ids.append(request_id)
             cached_block_ids.append(new_block_ids)
-            cached_computed.append(request.num_computed_tokens)
+            cached_computed.append(num_computed)
             num_scheduled[request_id] = num_new
             budget -= num_new
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens >= len(request.all_token_ids):
+            request.num_computed_tokens = num_computed + num_new
+            if num_computed + num_new >= len(request.all_token_ids):
                 request.num_output_placeholders += 1  # this step samples its next token
             i += 1
 
@@ -268,13 +274,6 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ helpers
-
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_pending = len(request.all_token_ids) + request.num_output_placeholders
-        if request.num_output_placeholders and num_pending >= request.max_num_tokens:
-            return 0  # the token in flight ends it by length: nothing more to compute
-        num_computed = request.num_computed_tokens
-        return min(num_pending - num_computed, budget, self.max_len - num_computed)
 
     def _check_stop(self, request: Request) -> bool:
         """Set the status of a request that its last token ends; True if it ended."""
