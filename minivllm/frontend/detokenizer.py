@@ -216,7 +216,7 @@ def byte_level_table(tokenizer: HFTokenizer, skip_special_tokens: bool) -> ByteT
     (else None), for a tokenizer whose decoder is `ByteLevel` alone (None for any other).
     The bytes are exactly what the Rust decoder joins and decodes, so the text of any id
     sequence is `b"".join(bytes[i] ...).decode("utf-8", "replace")`. Built once per
-    tokenizer and flag (~0.2 s for a 150k vocabulary)."""
+    tokenizer and flag, on the first request: ~1.6 µs per id (~0.25 s for 150k)."""
     tables = _TABLES.setdefault(tokenizer, {})
     if skip_special_tokens not in tables:
         tables[skip_special_tokens] = _build_byte_level_table(tokenizer, skip_special_tokens)
