@@ -70,9 +70,10 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=50, max_tokens=MAX_TOKENS, ignor
 
 
 def test_bf16_top1_agrees_with_transformers(small_dir: str) -> None:
-    """Teacher-forced: at each position the engine generated, transformers' top-1 after the
-    same prefix. A random model has near-ties that bf16 rounding alone flips (transformers'
-    own bf16 and fp32 runs disagree there), so agreement is counted where those two agree."""
+    """Teacher-forced: at each position the engine generated (bf16), transformers' fp32 top-1
+    after the same prefix. A random model has near-ties that bf16 rounding alone flips, so
+    agreement is counted where the fp32 top-1 leads the runner-up by more than bf16 noise
+    (0.1 in logits); transformers' own bf16 run is held to the same bar as a reference."""
     from transformers import AutoModelForCausalLM
 
     ps = prompts()
@@ -81,24 +82,27 @@ def test_bf16_top1_agrees_with_transformers(small_dir: str) -> None:
         dtype: AutoModelForCausalLM.from_pretrained(small_dir, dtype=dtype).cuda().eval()
         for dtype in (torch.bfloat16, torch.float32)
     }
-    agree = decisive = raw_agree = 0
+    agree = hf_agree = decisive = 0
     with torch.no_grad():
         for p, out in zip(ps, outs, strict=True):
             assert len(out) == MAX_TOKENS
             ids = torch.tensor([p + out[:-1]], device="cuda")
-            bf16, fp32 = (
-                hf[d](ids).logits[0, len(p) - 1 :].argmax(-1).tolist()
-                for d in (torch.bfloat16, torch.float32)
-            )
-            for ours, b, f in zip(out, bf16, fp32, strict=True):
-                raw_agree += ours == b
-                if b == f:
+            fp32 = hf[torch.float32](ids).logits[0, len(p) - 1 :].float()
+            bf16 = hf[torch.bfloat16](ids).logits[0, len(p) - 1 :].argmax(-1).tolist()
+            top2 = fp32.topk(2, dim=-1)
+            margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+            for ours, theirs, best, margin in zip(
+                out, bf16, top2.indices[:, 0].tolist(), margins, strict=True
+            ):
+                if margin > 0.1:
                     decisive += 1
-                    agree += ours == b
+                    agree += ours == best
+                    hf_agree += theirs == best
     total = MAX_TOKENS * len(ps)
-    assert decisive >= 0.8 * total, f"only {decisive}/{total} positions are decisive"
+    assert decisive >= 0.5 * total, f"only {decisive}/{total} positions are decisive"
     assert agree >= 0.99 * decisive, (
-        f"top-1 agreement {agree}/{decisive} decisive positions ({raw_agree}/{total} in all)"
+        f"top-1 agreement {agree}/{decisive} decisive positions "
+        f"(transformers bf16: {hf_agree}/{decisive})"
     )
 
 
