@@ -47,6 +47,9 @@ class MultiprocExecutor(Executor):
         from minivllm.worker.worker_process import run_worker
 
         tp = config.parallel.tensor_parallel_size
+        # inherited by the workers, read when their torch loads OpenMP: idle threads must not
+        # spin-wait, or on a small CPU machine they starve the frontend and the engine-core
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.ipc_dir = transport.make_ipc_dir("minivllm-workers-")
         self.ctx = zmq.Context()
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
@@ -122,7 +125,9 @@ class MultiprocExecutor(Executor):
             transport.send_msg(sock, frames, copy=True)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
-        self.check_health()
+        # a dead worker is noticed when waiting for its answer times out (every 100 ms)
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         self._broadcast(scheduler_output)
         return StepFuture(self, scheduler_output.step_id)
 

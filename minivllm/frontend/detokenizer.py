@@ -74,9 +74,8 @@ class IncrementalDetokenizer:
         so the final text equals `tokenizer.decode(token_ids)`.
         """
         to_decode = new_token_ids
-        if finish_reason is not None:
-            if finish_reason == FinishReason.STOP and not self.include_stop_str_in_output:
-                to_decode = new_token_ids[:-1]
+        if finish_reason == FinishReason.STOP and not self.include_stop_str_in_output:
+            to_decode = new_token_ids[:-1]
         num_before = self.num_output_tokens
         self.num_output_tokens = num_before + len(new_token_ids)
         if not self.stop:
