@@ -159,8 +159,18 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ I/O threads
 
-    def _identity_to_client(self, identity: bytes) -> int | None:
-        return int.from_bytes(identity, "little") if len(identity) == 4 else None
+    @staticmethod
+    def _decode_from_client(
+        decoder: MsgDecoder, identity: bytes, frames: list, where: str
+    ) -> tuple[int | None, Any] | None:
+        """(client id or None for a malformed identity, message); None if undecodable."""
+        try:
+            msg = decoder.decode(frames)
+        except ValueError as e:
+            logger.warning("dropped an undecodable message on the %s socket: %s", where, e)
+            return None
+        client = int.from_bytes(identity, "little") if len(identity) == 4 else None
+        return client, msg
 
     def _input_loop(self) -> None:
         decoder, encoder = MsgDecoder(FRONTEND_TO_CORE), MsgEncoder()
@@ -170,13 +180,10 @@ class EngineCoreProc:
             got = transport.recv_from(self.input_sock, timeout_ms=100)
             now = time.monotonic()
             if got is not None:
-                identity, frames = got
-                client = self._identity_to_client(identity)
-                try:
-                    msg = decoder.decode(frames)
-                except ValueError as e:
-                    logger.warning("dropped an undecodable message from a client: %s", e)
+                decoded = self._decode_from_client(decoder, *got, where="input")
+                if decoded is None:
                     continue
+                client, msg = decoded
                 if client is None:
                     logger.warning("dropped a message from a peer with a malformed identity")
                     continue
@@ -184,7 +191,7 @@ class EngineCoreProc:
                 if isinstance(msg, Handshake):
                     if msg.role == "client":
                         reply = self._handshake_reply(client, msg)
-                        transport.send_to(self.input_sock, identity, encoder.encode(reply))
+                        transport.send_to(self.input_sock, got[0], encoder.encode(reply))
                     continue  # heartbeats only refresh last_seen
                 self.input_queue.put((client, msg))
             if now >= next_check:
@@ -230,13 +237,12 @@ class EngineCoreProc:
 
         while True:
             while self.output_sock.poll(0):  # a client registering its output route
-                identity, frames = transport.recv_from(self.output_sock)
-                client = self._identity_to_client(identity)
-                try:
-                    msg = decoder.decode(frames)
-                except ValueError as e:
-                    logger.warning("dropped an undecodable message on the output socket: %s", e)
+                decoded = self._decode_from_client(
+                    decoder, *transport.recv_from(self.output_sock), where="output"
+                )
+                if decoded is None:
                     continue
+                client, msg = decoded
                 if client is not None and isinstance(msg, Handshake) and msg.role == "client":
                     routable.add(client)
                     send(client, encoder.encode(Handshake(role="ready", client_id=client)))

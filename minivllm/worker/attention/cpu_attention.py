@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.torch_attention import store_kv
 
 # bound on the gathered K (or V) elements per decode chunk, so memory stays flat
 _MAX_GATHER_ELEMENTS = 1 << 25
@@ -28,14 +29,7 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        n = meta.num_tokens
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        slots = meta.slot_mapping[:n]
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[: len(slots)])
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[: len(slots)])
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
 
         out = torch.zeros_like(q)
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()

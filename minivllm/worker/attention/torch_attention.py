@@ -24,14 +24,8 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        n = meta.num_tokens
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        slots = meta.slot_mapping[:n]
-        keep = slots >= 0
-        key_cache.index_copy_(0, slots[keep], k[:n][keep].to(kv_cache.dtype))
-        value_cache.index_copy_(0, slots[keep], v[:n][keep].to(kv_cache.dtype))
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
 
         starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
         seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
@@ -45,6 +39,17 @@ class TorchAttentionBackend:
             values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
         return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write row t of k/v to flat cache slot slots[t]; rows with a negative slot are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    n = len(slots)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n].to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n].to(kv_cache.dtype))
 
 
 def causal_attention(
