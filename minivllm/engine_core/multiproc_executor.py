@@ -166,9 +166,24 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             dead = self._dead_worker()
             if dead:
-                self._dead = dead
+                self._dead = self._last_words(dead)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def _last_words(self, exit_status: str) -> str:
+        """A worker that fails sends its traceback before it exits; the exit can still be
+        seen first. Wait briefly for that message: the cause beats an exit code."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            frames = transport.recv_msg(self.results, timeout_ms=50)
+            if frames is None:
+                continue
+            msg = self._decode(frames)
+            if isinstance(msg, ModelRunnerOutput):
+                if msg.error:
+                    return f"{msg.error.rstrip()}\n({exit_status})"
+                self._outputs[msg.step_id] = msg
+        return exit_status
 
     def shutdown(self) -> None:
         if getattr(self, "_shut", False):
