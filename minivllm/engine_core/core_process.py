@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -81,6 +82,9 @@ class EngineCoreProc:
             t.start()
         gc.collect()
         gc.freeze()  # the start-up heap never needs scanning again: shorter GC pauses
+        # a socket call releases the GIL; with the default 5 ms switch interval the busy loop
+        # can then wait that long for an I/O thread to hand it back
+        sys.setswitchinterval(0.0005)
         core = self.engine_core
         exit_code = 0
         try:

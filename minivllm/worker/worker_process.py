@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -42,6 +43,8 @@ def run_worker(
 ) -> None:
     die_with_parent(death_pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
+    # the main thread and the sender thread hand the GIL back and forth every step
+    sys.setswitchinterval(0.0005)
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
     ready_pipe.close()
     ctx = zmq.Context()
