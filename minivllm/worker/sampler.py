@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in SamplingParams
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -37,13 +36,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.all_greedy:
         return greedy_ids
     probs = filtered_probs(logits, meta)
-    noise = torch.empty_like(probs)
-    seeds, positions = meta.seeds.tolist(), meta.positions.tolist()
-    for row, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
-        generator = torch.Generator(device=logits.device).manual_seed(_mix(seed, position))
-        noise[row].exponential_(generator=generator)
-    # an Exp(1) draw can be exactly 0; 0 / 0 would be NaN, which argmax would pick
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    noise = exponential_noise(meta.seeds, meta.positions, probs.shape[-1])
     random_ids = argmax_rows(probs / noise)
     if meta.all_random:
         return random_ids
@@ -65,6 +58,9 @@ def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     greedy = meta.temperature < _GREEDY_EPS
     temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
     logits = logits / temperature.unsqueeze(1)
+    filtered = (meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0)
+    if not bool(filtered.any()):
+        return logits.softmax(dim=-1)  # nothing to filter: no sort over the vocabulary
 
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
@@ -82,10 +78,36 @@ def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return torch.zeros_like(sorted_probs).scatter_(1, sorted_idx, sorted_probs)
 
 
-def _mix(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (seed, position) via splitmix64, so nearby seeds and
-    positions give unrelated streams."""
-    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(0x9E3779B97F4A7C15),
+    _signed(0xBF58476D1CE4E5B9),
+    _signed(0x94D049BB133111EB),
+)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    # int64 products wrap around, which is the arithmetic splitmix64 wants
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise float32 [N, vocab], element (r, i) a fixed function of (seeds[r],
+    positions[r], i): counter-based, so a row's draw never depends on the rest of the batch,
+    and all rows are drawn in a few vectorized ops."""
+    row_key = _splitmix(seeds.long() * _GOLDEN + positions.long())
+    index = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _splitmix(row_key[:, None] + (index[None, :] + 1) * _GOLDEN)
+    # 24 random bits -> a uniform in (0, 1), never 0 or 1
+    uniform = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)

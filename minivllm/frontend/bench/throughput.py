@@ -1,9 +1,11 @@
 """`minivllm bench throughput`: offline throughput, printed the way vLLM's
 `vllm bench throughput` prints it, plus the memory-traffic floor on CUDA.
 
-Default workload: the reference workload of PERF_NOTES (256 requests, 142,827 prompt and
-133,966 output tokens, temperature 0.6, ignore_eos). --num-prompts / --input-len /
---output-len switch to vLLM's random dataset of fixed shapes.
+Default workload: on a GPU, the reference workload of PERF_NOTES (256 requests, 142,827
+prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
+minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
+--num-prompts / --input-len / --output-len choose fixed shapes; --reference-workload forces
+the reference workload anywhere.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from minivllm.frontend.bench.common import (
     bench_engine_args,
     max_token_id,
     model_dir,
+    resolve_device,
     token_prompts,
 )
 from minivllm.frontend.bench.workloads import (
@@ -63,6 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="fixed shapes (default 1000)")
     p.add_argument("--input-len", type=int, default=None, help="fixed shapes (default 1024)")
     p.add_argument("--output-len", type=int, default=None, help="fixed shapes (default 128)")
+    p.add_argument(
+        "--reference-workload",
+        action="store_true",
+        help="the reference workload even on the CPU (the GPU default)",
+    )
     p.add_argument("--temperature", type=float, default=REFERENCE_TEMPERATURE)
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
@@ -72,13 +80,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def build_workload(args: argparse.Namespace, max_id: int = 10000) -> Workload:
-    if args.num_prompts is None and args.input_len is None and args.output_len is None:
+CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
+
+
+def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = "cuda") -> Workload:
+    fixed = (args.num_prompts, args.input_len, args.output_len)
+    if getattr(args, "reference_workload", False) or (fixed == (None,) * 3 and device != "cpu"):
         return reference_workload()
+    if fixed == (None,) * 3:
+        fixed = CPU_DEFAULT_SHAPE
     return random_workload(
-        args.num_prompts or 1000,
-        args.input_len or 1024,
-        args.output_len or 128,
+        fixed[0] or 1000,
+        fixed[1] or 1024,
+        fixed[2] or 128,
         seed=args.seed,
         vocab_limit=max_id,
     )
@@ -154,7 +168,7 @@ def main(args: argparse.Namespace) -> dict:
 
     figures: dict[str, Any] = {}
     with model_dir(args) as (model, geometry):
-        workload = build_workload(args, max_token_id(model))
+        workload = build_workload(args, max_token_id(model), resolve_device(args.device))
         print(
             f"Workload: {workload.name}: {len(workload.prompts)} requests, "
             f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens"
