@@ -81,6 +81,34 @@ def terminate(procs: list[BaseProcess], timeout: float = 5.0) -> None:
             p.join(1.0)
 
 
+def private_ipc_dir(role: str) -> str:
+    """A fresh 0700 directory for this process's ipc sockets, named after its pid, after
+    removing those left by processes of the same role that died without cleaning up
+    (SIGKILL, or a parent's death taking them down)."""
+    import tempfile
+
+    from minivllm.protocol import transport
+
+    prefix = f"minivllm-{role}-"
+    base = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            pid = name[len(prefix) :].split("-", 1)[0]
+            if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+                transport.cleanup_ipc(os.path.join(base, name))
+    return transport.make_ipc_dir(f"{prefix}{os.getpid()}-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def describe_exit(proc: BaseProcess) -> str:
     code = proc.exitcode
     if code is None:

@@ -13,7 +13,7 @@ import zmq
 from minivllm.config import EngineConfig
 from minivllm.engine_core.executor import Executor
 from minivllm.exceptions import EngineDeadError, EngineStartupError
-from minivllm.process_utils import describe_exit, spawn, terminate
+from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
 from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
 from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
@@ -50,7 +50,7 @@ class MultiprocExecutor(Executor):
         # inherited by the workers, read when their torch loads OpenMP: idle threads must not
         # spin-wait, or on a small CPU machine they starve the frontend and the engine-core
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.ipc_dir = transport.make_ipc_dir("minivllm-workers-")
+        self.ipc_dir = private_ipc_dir("workers")
         self.ctx = zmq.Context()
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
         self.results, result_addr = transport.bind_socket(

@@ -40,10 +40,11 @@ def _add_engine_core(sub: argparse._SubParsersAction) -> None:
 
 def daemon_addresses(address: str | None) -> tuple[str, str, str | None]:
     """(input address, output address, private ipc dir to remove at exit or None)."""
+    from minivllm.process_utils import private_ipc_dir
     from minivllm.protocol import transport
 
     if address is None:
-        ipc_dir = transport.make_ipc_dir("minivllm-daemon-")
+        ipc_dir = private_ipc_dir("daemon")
         return (
             transport.ipc_address(ipc_dir, "input"),
             transport.ipc_address(ipc_dir, "output"),

@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from minivllm.config import EngineConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
-from minivllm.process_utils import describe_exit, spawn, terminate
+from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
     Abort,
@@ -133,7 +133,7 @@ class _MPClient:
     def _spawn_core(self, config: EngineConfig) -> str:
         from minivllm.engine_core.core_process import run_engine_core
 
-        self.ipc_dir = transport.make_ipc_dir(f"minivllm-{os.getpid()}-")
+        self.ipc_dir = private_ipc_dir("client")
         proc, ready, death = spawn(
             run_engine_core,
             dict(
