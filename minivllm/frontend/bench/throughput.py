@@ -1,7 +1,7 @@
 """`minivllm bench throughput`: offline throughput, printed the way vLLM's
 `vllm bench throughput` prints it, plus the memory-traffic floor on CUDA.
 
-Default workload: on a GPU, the reference workload of PERF_NOTES (256 requests, 142,827
+Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256 requests, 142,827
 prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
 minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
 --num-prompts / --input-len / --output-len choose fixed shapes; --reference-workload forces

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# PERF_NOTES "The reference workload" (nano-vllm's offline bench); a change to the draw
+# The reference workload (nano-vllm's offline bench); a change to the draw
 # order or ranges changes these totals, so they are checked whenever the workload is built.
 REFERENCE_NUM_PROMPTS = 256
 REFERENCE_PROMPT_TOKENS = 142_827
