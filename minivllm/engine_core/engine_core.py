@@ -15,6 +15,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine_core.executor import Executor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
+from minivllm.engine_core.step_trace import StepTrace
 from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -38,6 +39,7 @@ class EngineCore:
         # steps launched but not yet applied: at most one in flight with async scheduling
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.trace = StepTrace()
         # requests refused at arrival, answered with an error output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
         logger.info(
@@ -94,13 +96,18 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.max_in_flight:
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
+                if self.trace.enabled:
+                    self.trace.launched(so)
                 self.batch_queue.append((so, self.executor.execute_model(so)))
                 if len(self.batch_queue) < self.max_in_flight:
                     return self._package({})
         if not self.batch_queue:
             return self._package({})
         so, future = self.batch_queue.popleft()
-        return self._package(self.scheduler.update_from_output(so, future.result()))
+        outputs = self.scheduler.update_from_output(so, future.result())
+        if self.trace.enabled:
+            self.trace.applied(len(self.trace.records) - 1 - len(self.batch_queue))
+        return self._package(outputs)
 
     def _package(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
         for client, rejected in self._rejected.items():
@@ -126,4 +133,5 @@ class EngineCore:
         return msgspec.structs.asdict(self.scheduler.make_stats())
 
     def shutdown(self) -> None:
+        self.trace.write()
         self.executor.shutdown()
