@@ -12,7 +12,7 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
-from minivllm.frontend.core_client import AsyncMPClient
+from minivllm.frontend.core_client import AsyncMPClient, attached_engine_config
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
@@ -50,14 +50,7 @@ class AsyncLLM:
     def connect(cls, address: str) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
         client = AsyncMPClient.connect(address)
-        info = client.info
-        args = EngineArgs(
-            model=info.model,
-            tokenizer=info.tokenizer,
-            max_model_len=info.max_model_len,
-            device="cpu",  # only the model's metadata is needed here
-        )
-        return cls(args.create_engine_config().model, client)
+        return cls(attached_engine_config(client.info).model, client)
 
     @property
     def errored(self) -> bool:

@@ -66,6 +66,20 @@ class EngineCoreClient(ABC):
     def shutdown(self) -> None: ...
 
 
+def attached_engine_config(info: Handshake) -> EngineConfig:
+    """The config a client attached to a daemon works with, from the daemon's handshake
+    (the model directory must be readable here too: its tokenizer and config are used)."""
+    from minivllm.config import EngineArgs
+
+    args = EngineArgs(
+        model=info.model,
+        tokenizer=info.tokenizer,
+        max_model_len=info.max_model_len,
+        device="cpu",  # only the model's metadata is needed on this side
+    )
+    return args.create_engine_config()
+
+
 def make_sync_client(config: EngineConfig) -> EngineCoreClient:
     if config.parallel.distributed_executor_backend == "uni":
         return InprocClient(config)

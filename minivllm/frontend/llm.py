@@ -28,6 +28,16 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
 
+    @classmethod
+    def connect(cls, address: str) -> LLM:
+        """Attach to a running `minivllm engine-core` daemon instead of starting an engine;
+        `shutdown()` then detaches and leaves the daemon running."""
+        llm = cls.__new__(cls)
+        llm.engine_args = None
+        llm.llm_engine = LLMEngine.connect(address)
+        llm._counter = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -7,7 +7,12 @@ import time
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.frontend.core_client import EngineCoreClient, make_sync_client
+from minivllm.frontend.core_client import (
+    EngineCoreClient,
+    SyncMPClient,
+    attached_engine_config,
+    make_sync_client,
+)
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
@@ -34,6 +39,12 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())
+
+    @classmethod
+    def connect(cls, address: str) -> LLMEngine:
+        """Attach to a running `minivllm engine-core` daemon at `address`."""
+        client = SyncMPClient.connect(address)
+        return cls(attached_engine_config(client.info), client=client)
 
     def add_request(
         self,

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from minivllm import LLM, SamplingParams
 from minivllm.frontend.core_client import SyncMPClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,6 +118,14 @@ def test_clients_come_and_go(daemon) -> None:
     newcomer = start_client(address, n=2, max_tokens=10)
     out, _ = newcomer.communicate(timeout=120)
     assert json.loads(out.strip().splitlines()[-1]) == [10, 10]
+
+    # the sync API attaches the same way, and detaching leaves the daemon up
+    llm = LLM.connect(address)
+    outs = llm.generate(
+        [[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    llm.shutdown()
+    assert len(outs[0].outputs[0].token_ids) == 10
     assert proc.poll() is None, "the daemon outlives its clients"
 
     proc.send_signal(signal.SIGTERM)
