@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -70,9 +71,9 @@ def terminate(procs: list[BaseProcess], timeout: float = 5.0) -> None:
         if p.is_alive():
             with contextlib.suppress(Exception):
                 p.terminate()
-    deadline = _now() + timeout
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(max(0.0, deadline - _now()))
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             logger.warning("%s (pid %s) ignored SIGTERM; killing it", p.name, p.pid)
@@ -117,9 +118,3 @@ def describe_exit(proc: BaseProcess) -> str:
         with contextlib.suppress(ValueError):
             return f"{proc.name} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
     return f"{proc.name} (pid {proc.pid}) exited with code {code}"
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
