@@ -44,7 +44,7 @@ from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # core → clients, so a client notices a dead daemon quickly
-CLIENT_TIMEOUT_S = float(os.environ.get("MINIVLLM_CLIENT_TIMEOUT", "5"))  # silent client → gone
+CLIENT_TIMEOUT_S = float(os.environ.get("MINIVLLM_CLIENT_TIMEOUT", "10"))  # silent client: gone
 _ALL = -1  # output-queue address: every attached client
 _CLIENT_GONE = "client-gone"
 _STOP = object()
