@@ -29,6 +29,7 @@ from minivllm.protocol import transport
 from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
 from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
 from minivllm.worker.async_output import AsyncModelRunnerOutput
+from minivllm.worker.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,12 @@ def run_worker(
                 num_gpu_blocks=worker.determine_num_blocks(),
             )
         )
+        profiler = StepProfiler(rank)
         while True:
             msg = recv()
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
+                profiler.step()
                 # launch and move on: the sender thread waits for the output, so the next
                 # step is received and queued on the GPU behind this one
                 out = worker.execute_model_async(msg)
