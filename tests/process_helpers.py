@@ -7,13 +7,6 @@ import time
 import psutil
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def spawned_children(pid: int) -> list[int]:
     """Direct children of `pid` started by multiprocessing's spawn (engine processes)."""
     try:

@@ -31,9 +31,6 @@ class StepFuture:
         self.executor = executor
         self.step_id = step_id
 
-    def done(self) -> bool:
-        return self.executor._poll_output(self.step_id, timeout_ms=0) is not None
-
     def result(self) -> ModelRunnerOutput:
         while True:
             out = self.executor._poll_output(self.step_id, timeout_ms=_POLL_MS)

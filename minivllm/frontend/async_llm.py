@@ -12,8 +12,9 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
-from minivllm.frontend.core_client import AsyncMPClient, attached_engine_config
+from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput

@@ -26,7 +26,7 @@ def _add_engine_core(sub: argparse._SubParsersAction) -> None:
         "engine-core",
         help="run an engine-core daemon that any number of clients attach to",
         description="Run an engine-core until SIGTERM. Clients attach with "
-        "AsyncLLM.connect(ADDRESS) or SyncMPClient.connect(ADDRESS).",
+        "AsyncLLM.connect(ADDRESS) or LLM.connect(ADDRESS).",
     )
     p.add_argument(
         "--address",

@@ -9,11 +9,11 @@ from typing import Any
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.frontend.core_client import (
     EngineCoreClient,
-    SyncMPClient,
     attached_engine_config,
     make_sync_client,
 )
 from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput

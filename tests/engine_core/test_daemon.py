@@ -12,7 +12,7 @@ import time
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.frontend.core_client import SyncMPClient
+from minivllm.frontend.mp_client import SyncMPClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

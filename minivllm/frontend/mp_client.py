@@ -1,0 +1,352 @@
+"""The frontend's side of an engine-core in another process, over ZMQ (sync or asyncio).
+
+A multiprocess client either spawns its own engine-core (which dies with it) or attaches to
+a running daemon (`connect`). Either way it says hello on the input socket, learns the
+output address from the reply, registers its route on the output socket, and then sends a
+heartbeat every second so the engine can abort the requests of a client that vanished.
+It declares the engine dead when the engine says so, when a spawned engine-core's process
+exits, or when nothing (not even a heartbeat) has arrived for `ENGINE_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from minivllm.config import EngineConfig
+from minivllm.exceptions import EngineDeadError, EngineStartupError
+from minivllm.frontend.core_client import EngineCoreClient
+from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
+from minivllm.protocol import transport
+from minivllm.protocol.messages import (
+    Abort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Handshake,
+    UtilityCall,
+)
+from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_STARTUP_TIMEOUT", "900"))
+CONNECT_TIMEOUT_S = 30.0
+ENGINE_TIMEOUT_S = 3.0  # the core heartbeats every 0.5 s
+HEARTBEAT_INTERVAL_S = 1.0
+_POLL_MS = 100
+
+
+class _MPClient:
+    """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
+
+    def __init__(self, config: EngineConfig | None, address: str | None) -> None:
+        self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
+        self.proc = None
+        self.death_pipe = None
+        self.ipc_dir: str | None = None
+        self.dead_reason: str | None = None
+        self.client_id = secrets.randbits(31) + 1
+        self.identity = self.client_id.to_bytes(4, "little")
+        self._call_ids = itertools.count(1)
+        self.ctx = zmq.Context()
+        self.input_sock = self.output_sock = None
+        try:
+            if address is None:
+                assert config is not None
+                address = self._spawn_core(config)
+            self.info = self._attach(address)
+        except BaseException:
+            self._close()
+            raise
+        self.last_heard = time.monotonic()
+
+    def _spawn_core(self, config: EngineConfig) -> str:
+        from minivllm.engine_core.core_process import run_engine_core
+
+        self.ipc_dir = private_ipc_dir("client")
+        proc, ready, death = spawn(
+            run_engine_core,
+            dict(
+                config=config,
+                input_address=transport.ipc_address(self.ipc_dir, "input"),
+                output_address=transport.ipc_address(self.ipc_dir, "output"),
+            ),
+            name="engine-core",
+        )
+        self.proc, self.death_pipe = proc, death
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not ready.poll(0.2):
+            if not proc.is_alive():
+                raise EngineStartupError(f"{describe_exit(proc)} during startup")
+            if time.monotonic() > deadline:
+                raise EngineStartupError(f"engine-core did not start in {STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            hello = msgspec.msgpack.decode(ready.recv_bytes(), type=Handshake)
+        except EOFError:
+            proc.join(5)
+            raise EngineStartupError(f"{describe_exit(proc)} during startup") from None
+        finally:
+            ready.close()
+        if hello.error:
+            proc.join(5)
+            raise EngineStartupError(f"{hello.error} ({describe_exit(proc)})")
+        return hello.input_address
+
+    def _attach(self, address: str) -> Handshake:
+        self.input_sock = transport.connect_socket(
+            self.ctx, zmq.DEALER, address, identity=self.identity
+        )
+        hello = self.encoder.encode(Handshake(role="client", client_id=self.client_id))
+        transport.send_msg(self.input_sock, hello)
+        info = self._wait_handshake(self.input_sock, "engine-core", address)
+        if info.error:
+            raise EngineStartupError(f"engine-core at {address} refused this client: {info.error}")
+        self.output_sock = transport.connect_socket(
+            self.ctx, zmq.DEALER, info.output_address, identity=self.identity
+        )
+        transport.send_msg(self.output_sock, hello)
+        self._wait_handshake(self.output_sock, "ready", info.output_address)
+        return info
+
+    def _wait_handshake(self, sock: zmq.Socket, role: str, address: str) -> Handshake:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            frames = transport.recv_msg(sock, timeout_ms=_POLL_MS)
+            if frames is None:
+                if self.proc is not None and not self.proc.is_alive():
+                    raise EngineStartupError(describe_exit(self.proc))
+                continue
+            try:
+                msg = self.decoder.decode(frames)
+            except ValueError:
+                continue
+            if isinstance(msg, Handshake) and msg.role == role:
+                return msg
+        raise EngineStartupError(f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S} s")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is None:
+            if self.proc is not None and not self.proc.is_alive():
+                self.dead_reason = f"{describe_exit(self.proc)}"
+            elif time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+                self.dead_reason = f"engine-core silent for {ENGINE_TIMEOUT_S:.0f} s"
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+
+    def _decode_output(self, frames) -> EngineCoreOutputs | None:
+        """Decode one frame set from the engine; None for heartbeats and noise."""
+        self.last_heard = time.monotonic()
+        try:
+            msg = self.decoder.decode(frames)
+        except ValueError as e:
+            logger.warning("dropped an undecodable message from the engine-core: %s", e)
+            return None
+        if not isinstance(msg, EngineCoreOutputs):
+            return None
+        if msg.engine_dead is not None:
+            self.dead_reason = msg.engine_dead
+        return msg
+
+    def _close(self) -> None:
+        for sock in (self.input_sock, self.output_sock):
+            if sock is not None:
+                transport.close_socket(sock, linger=0)
+        self.input_sock = self.output_sock = None
+        if self.proc is not None:
+            terminate([self.proc], timeout=10.0)
+        if self.death_pipe is not None:
+            self.death_pipe.close()
+        self.ctx.term()
+        if self.ipc_dir is not None:
+            transport.cleanup_ipc(self.ipc_dir)
+
+
+class SyncMPClient(_MPClient, EngineCoreClient):
+    """Blocking client; a small thread keeps the heartbeat going while the caller computes."""
+
+    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
+        super().__init__(config, address)
+        self._send_lock = threading.Lock()
+        self._pending: deque[EngineCoreOutputs] = deque()
+        self._utility: dict[int, Any] = {}
+        self._closed = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._beat.start()
+
+    @classmethod
+    def connect(cls, address: str) -> SyncMPClient:
+        return cls(address=address)
+
+    def _send(self, msg) -> None:
+        frames = self.encoder.encode(msg)
+        with self._send_lock:
+            transport.send_msg(self.input_sock, frames)
+
+    def _heartbeat_loop(self) -> None:
+        beat = self.encoder.encode(Handshake(role="heartbeat", client_id=self.client_id))
+        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
+            with self._send_lock, contextlib.suppress(zmq.ZMQError):
+                if self.input_sock is not None:
+                    transport.send_msg(self.input_sock, beat, copy=True)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(Abort(request_ids))
+
+    def _recv_one(self) -> None:
+        frames = transport.recv_msg(self.output_sock, timeout_ms=_POLL_MS)
+        if frames is None:
+            self._check_alive()
+            return
+        msg = self._decode_output(frames)
+        if msg is None:
+            return
+        if msg.utility_result is not None:
+            self._utility[msg.utility_result.call_id] = msg.utility_result
+        if msg.outputs:
+            self._pending.append(msg)
+        self._check_alive()
+
+    def get_output(self) -> EngineCoreOutputs:
+        while not self._pending:
+            self._recv_one()
+        return self._pending.popleft()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        while call_id not in self._utility:
+            self._recv_one()
+        result = self._utility.pop(call_id)
+        if result.error:
+            raise RuntimeError(f"utility call {method!r} failed: {result.error}")
+        return result.result
+
+    def shutdown(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._send_lock:
+            self._close()
+
+
+class AsyncMPClient(_MPClient):
+    """asyncio client (works under uvloop). Outputs are read by a task started on first use."""
+
+    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
+        super().__init__(config, address)
+        # the handshake used the plain sockets; from here on the event loop owns them
+        self.input_async = zmq.asyncio.Socket.from_socket(self.input_sock)
+        self.output_async = zmq.asyncio.Socket.from_socket(self.output_sock)
+        self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._utility: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    @classmethod
+    def connect(cls, address: str) -> AsyncMPClient:
+        return cls(address=address)
+
+    def _ensure_started(self) -> None:
+        if self._tasks and not any(t.done() for t in self._tasks):
+            return
+        for task in self._tasks:  # a previous event loop's, if any
+            task.cancel()
+        self.outputs = asyncio.Queue()
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="engine-core-outputs"),
+            asyncio.create_task(self._heartbeat_loop(), name="engine-core-heartbeat"),
+        ]
+
+    async def _send(self, msg) -> None:
+        await transport.send_msg_async(self.input_async, self.encoder.encode(msg))
+
+    async def _heartbeat_loop(self) -> None:
+        beat = self.encoder.encode(Handshake(role="heartbeat", client_id=self.client_id))
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            await transport.send_msg_async(self.input_async, beat, copy=True)
+
+    async def _read_loop(self) -> None:
+        assert self.outputs is not None
+        try:
+            while True:
+                # poll, then receive what is there: cancelling a pending receive on a timeout
+                # could drop a message that had already arrived
+                if not await self.output_async.poll(_POLL_MS, zmq.POLLIN):
+                    self._check_alive()
+                    continue
+                frames = await transport.recv_msg_async(self.output_async)
+                msg = self._decode_output(frames)
+                if msg is None:
+                    continue
+                if msg.utility_result is not None:
+                    fut = self._utility.pop(msg.utility_result.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg.utility_result)
+                if msg.outputs:
+                    self.outputs.put_nowait(msg)
+                self._check_alive()
+        except EngineDeadError as e:
+            self.outputs.put_nowait(e)
+            for fut in self._utility.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(str(e)))
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._ensure_started()
+        self._check_alive()
+        await self._send(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None and not self._closed:
+            await self._send(Abort(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_started()
+        assert self.outputs is not None
+        msg = await self.outputs.get()
+        if isinstance(msg, BaseException):
+            self.outputs.put_nowait(msg)  # every later caller learns it too
+            raise msg
+        return msg
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_started()
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility[call_id] = fut
+        await self._send(UtilityCall(call_id, method, list(args)))
+        result = await fut
+        if result.error:
+            raise RuntimeError(f"utility call {method!r} failed: {result.error}")
+        return result.result
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        self.input_async.close(linger=0)
+        self.output_async.close(linger=0)
+        self.input_sock = self.output_sock = None
+        self._close()
