@@ -129,16 +129,11 @@ class EngineCoreProc:
         if call.method not in UTILITY_METHODS:
             return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
         try:
-            if call.method == "stats":
-                result: Any = self.engine_core.stats()
-            elif call.method == "reset_prefix_cache":
-                result = self.engine_core.reset_prefix_cache()
-            elif call.method == "health":
-                self.engine_core.executor.check_health()
-                result = True
-            else:  # shutdown
+            if call.method == "shutdown":
                 self.stop_reason = "engine-core shut down by a client"
-                result = True
+                result: Any = True
+            else:
+                result = self.engine_core.call_utility(call.method)
         except Exception as e:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call.call_id, result=result)

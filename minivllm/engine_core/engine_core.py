@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine_core.executor import Executor
@@ -123,6 +124,18 @@ class EngineCore:
         }
 
     # ------------------------------------------------------------------ utilities
+
+    def call_utility(self, method: str) -> Any:
+        """The utility calls a client may make of the step loop itself (the process wrapper
+        adds "shutdown")."""
+        if method == "stats":
+            return self.stats()
+        if method == "reset_prefix_cache":
+            return self.reset_prefix_cache()
+        if method == "health":
+            self.executor.check_health()
+            return True
+        raise ValueError(f"unknown utility method {method!r}")
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

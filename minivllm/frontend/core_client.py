@@ -76,13 +76,7 @@ class InprocClient(EngineCoreClient):
         return EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method == "stats":
-            return self.core.stats()
-        if method == "reset_prefix_cache":
-            return self.core.reset_prefix_cache()
-        if method == "health":
-            return True
-        raise ValueError(f"unknown utility method {method!r}")
+        return self.core.call_utility(method)
 
     def shutdown(self) -> None:
         self.core.shutdown()
