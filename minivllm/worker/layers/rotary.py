@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 
 from minivllm.worker.layers import ops
 from minivllm.worker.layers.norm import RMSNorm
+from minivllm.worker.ops.rotary import build_cos_sin_cache, qk_norm_rope
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -28,22 +28,6 @@ def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, params
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token positions, after the optional per-head q/k RMSNorm
     (Qwen3). One table of cos|sin for every position up to max_positions, float32, built once
@@ -52,15 +36,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
         theta, scaling = rope_parameters(hf_config)
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        table = build_cos_sin_cache(
+            max_positions, head_dim, theta, torch.float32, torch.get_default_device(), scaling
         )
-        if scaling["rope_type"] == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer(
-            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
-        )
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(
         self,
@@ -72,8 +51,6 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
         if q.is_cuda:
-            from minivllm.worker.ops.rotary import qk_norm_rope
-
             apply_norm = q_norm is not None and k_norm is not None
             qk_norm_rope(
                 q,
