@@ -64,9 +64,12 @@ class ModelRunner:
     def _make_attn_backend(self):
         from minivllm.worker.attention.selector import get_attention_backend
 
-        name, backend = get_attention_backend(self.device.type)
-        logger.info("attention backend: %s", name)
-        return name, backend
+        return get_attention_backend(
+            self.device.type,
+            block_size=self.block_size,
+            head_dim=self.config.model.head_dim,
+            dtype=self.dtype,
+        )
 
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model

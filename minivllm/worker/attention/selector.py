@@ -1,28 +1,65 @@
-"""Which attention backend a device gets: Triton on CUDA, the batched CPU one on CPU;
-`MINIVLLM_ATTENTION_BACKEND=torch|cpu|triton` forces one (torch is the slow reference)."""
+"""Which attention backend a device gets.
+
+On CUDA: flash-attn when the package imports and its kernels cover the configuration (page
+size, head dim, dtype), else Triton. On CPU: the batched CPU backend.
+`MINIVLLM_ATTENTION_BACKEND=flash-attn|triton|cpu|torch` forces one (torch is the slow
+reference); forcing flash-attn where it cannot run is an error, not a silent fallback.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 
+import torch
+
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.flash_attention import flash_attn_unsupported_reason
 
-_BACKENDS = ("triton", "cpu", "torch")
+logger = logging.getLogger(__name__)
+
+_BACKENDS = ("flash-attn", "triton", "cpu", "torch")
 
 
-def get_attention_backend(device_type: str) -> tuple[str, AttentionBackend]:
-    default = "triton" if device_type == "cuda" else "cpu"
-    name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "") or default
+def get_attention_backend(
+    device_type: str, *, block_size: int, head_dim: int, dtype: torch.dtype
+) -> tuple[str, AttentionBackend]:
+    """The backend's name and instance; logs the choice and the reason for it."""
+    name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "")
+    if name:
+        if name not in _BACKENDS:
+            raise ValueError(f"MINIVLLM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {name!r}")
+        why = "set by MINIVLLM_ATTENTION_BACKEND"
+        if name == "flash-attn":
+            if device_type != "cuda":
+                problem = f"flash-attn needs a CUDA device, not {device_type}"
+            else:
+                problem = flash_attn_unsupported_reason(block_size, head_dim, dtype)
+            if problem:
+                raise ValueError(f"MINIVLLM_ATTENTION_BACKEND=flash-attn cannot run: {problem}")
+    elif device_type != "cuda":
+        name, why = "cpu", f"{device_type} device"
+    else:
+        problem = flash_attn_unsupported_reason(block_size, head_dim, dtype)
+        name, why = ("triton", problem) if problem else ("flash-attn", "flash-attn supports it")
+    logger.info("attention backend: %s; %s", name, why)
+    return name, _make_backend(name)
+
+
+def _make_backend(name: str) -> AttentionBackend:
+    # imported lazily: triton and flash-attn are optional and slow to import
+    if name == "flash-attn":
+        from minivllm.worker.attention.flash_attention import FlashAttentionBackend
+
+        return FlashAttentionBackend()
     if name == "triton":
         from minivllm.worker.attention.triton_attention import TritonAttentionBackend
 
-        return name, TritonAttentionBackend()
+        return TritonAttentionBackend()
     if name == "cpu":
         from minivllm.worker.attention.cpu_attention import CpuAttentionBackend
 
-        return name, CpuAttentionBackend()
-    if name == "torch":
-        from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+        return CpuAttentionBackend()
+    from minivllm.worker.attention.torch_attention import TorchAttentionBackend
 
-        return name, TorchAttentionBackend()
-    raise ValueError(f"MINIVLLM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {name!r}")
+    return TorchAttentionBackend()
