@@ -34,7 +34,7 @@ class Worker:
             self.device = torch.device("cpu")
             # one rank per core at most; the frontend and engine-core need some too
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-        group = None
+        group = symm_all_reduce = None
         if tp_size > 1:
             import torch.distributed as dist
 
@@ -47,7 +47,19 @@ class Worker:
                 **({"device_id": self.device} if backend == "nccl" else {}),
             )
             group = dist.group.WORLD
-        self.tp = TPGroup(rank=self.rank, size=tp_size, group=group)
+            if backend == "nccl":
+                from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
+
+                # the largest decode message: one hidden-state row per sequence
+                row_bytes = (
+                    cfg.model.hf_config["hidden_size"] * getattr(torch, cfg.model.dtype).itemsize
+                )
+                symm_all_reduce = SymmMemAllReduce.create(
+                    group, self.device, max_bytes=cfg.scheduler.max_num_seqs * row_bytes
+                )
+        self.tp = TPGroup(
+            rank=self.rank, size=tp_size, group=group, symm_all_reduce=symm_all_reduce
+        )
         torch.manual_seed(cfg.model.seed)
         from minivllm.worker.model_runner import ModelRunner
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
 
 
 @dataclass(frozen=True)
@@ -14,20 +17,25 @@ class TPGroup:
 
     `group` is a `torch.distributed` process group (None means the default group); it is
     only touched when size > 1, so a size-1 group needs no `torch.distributed` at all.
+    `symm_all_reduce`, when set (CUDA, size > 1), sums the messages it fits (those of a
+    decode step) over symmetric memory; the others go to `group`.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    symm_all_reduce: SymmMemAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"invalid TP rank {self.rank} for size {self.size}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks (in place when size > 1); returns x."""
+        """Sum x over the ranks; returns the sum: x itself (summed in place) or a new tensor."""
         if self.size == 1:
             return x
+        if self.symm_all_reduce is not None and self.symm_all_reduce.fits(x):
+            return self.symm_all_reduce.all_reduce(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)
