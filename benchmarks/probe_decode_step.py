@@ -5,7 +5,7 @@ decode step after step. Prints the wall time per step when steps are queued back
 the host time to launch one, the GPU time of the graph replay and of the sampler, and a
 profiler table of the kernels.
 
-    python benchmarks/probe_decode_step.py
+    python benchmarks/probe_decode_step.py [--num 256] [--ctx 1000] [--eager]
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from minivllm.protocol.messages import (  # noqa: E402
 from minivllm.protocol.sampling_params import SamplingParams  # noqa: E402
 from minivllm.worker.worker import Worker  # noqa: E402
 
-NUM, CTX, BLOCKS = 256, 1000, 70  # 70 blocks of 16 hold 1120 tokens
+
+def _arg(name: str, default: int) -> int:
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+# --num 1 --ctx 512: the batch-1 latency shape
+NUM, CTX = _arg("--num", 256), _arg("--ctx", 1000)
+BLOCKS = -(-(CTX + 120) // 16)  # room for the steps run here
 
 
 def gpu_ms(fn, reps: int = 20) -> float:

@@ -192,6 +192,7 @@ class ModelRunner:
         # what padding rows hold at replay too: no KV slot, no context
         d.slot_mapping.fill_(-1)
         d.seq_lens.zero_()
+        d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
         d.input_ids.zero_()
         d.positions.zero_()
         sched = self.config.scheduler
@@ -212,6 +213,7 @@ class ModelRunner:
             block_table=d.block_table[:size],
             slot_mapping=d.slot_mapping[:size],
             block_size=self.block_size,
+            decode_order=d.decode_order[:size],
         )
         return self.model(d.input_ids[:size], d.positions[:size], self.kv_caches, meta)
 
@@ -315,6 +317,11 @@ class ModelRunner:
             h.slot_mapping[total:padded] = -1
             h.seq_lens[n:padded] = 0
             h.query_start_loc[n + 1 : padded + 1] = total
+        if self.buffers.on_cuda and nd:
+            # the attention kernels start the longest contexts first (padding rows last)
+            h.decode_order[:nd] = np.argsort(-seq_lens[:nd], kind="stable")
+            if padded:
+                h.decode_order[nd:padded] = np.arange(nd, padded)
         width = -(-int(seq_lens.max()) // bs)
         h.block_table[:n, :width] = b.block_table[rows, :width]
 
@@ -359,6 +366,7 @@ class ModelRunner:
             block_size=bs,
             query_start_loc_cpu=torch.from_numpy(cu),
             seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
+            decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
         )
         return states, sample_idx.tolist(), meta, padded
 

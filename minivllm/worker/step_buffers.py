@@ -34,6 +34,7 @@ class StepBuffers:
         layout = [
             ("query_start_loc", torch.int32, (s + 1,)),
             ("seq_lens", torch.int32, (s,)),
+            ("decode_order", torch.int32, (s,)),  # decode rows, longest context first
             ("logits_indices", torch.int64, (s,)),
             # sampling parameters of the rows that sample, in logits order
             ("temperature", torch.float32, (s,)),

@@ -28,6 +28,8 @@ CASES: dict[str, tuple] = {
     "prefill": ([(20, 20), (70, 70)], 4, 2, 64, 16, None),
     "prefill_prefix": ([(9, 41), (33, 97), (1, 18)], 4, 4, 64, 16, None),  # last: q_len 1
     "mixed_block32": ([(1, 50), (1, 33), (40, 40), (17, 81)], 8, 2, 64, 32, 2),
+    # decodes, a chunk over a cached prefix, then two whole prompts
+    "mixed_fresh": ([(1, 50), (1, 133), (17, 81), (40, 40), (25, 25)], 4, 2, 64, 16, None),
 }
 
 
@@ -88,6 +90,14 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
         block_table=block_table.to(device),
         slot_mapping=slot_mapping.to(device),
         block_size=block_size,
+        query_start_loc_cpu=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+        # longest context first, as the runner orders decodes ("decode" keeps batch order)
+        decode_order=None
+        if name == "decode"
+        else torch.tensor([s for _, s in seqs[:num_decodes]])
+        .argsort(descending=True)
+        .to(torch.int32)
+        .to(device),
     )
     scale = head_dim**-0.5
     dev = {"dtype": dtype, "device": device}
@@ -128,7 +138,7 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "names",
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
-     ["prefill", "prefill_prefix", "mixed_block32"]],
+     ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"]],
     ids=["decode", "prefill"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:

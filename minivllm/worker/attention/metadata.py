@@ -9,6 +9,9 @@ last `q_len` positions of that context (causal inside the sequence).
 The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). Token t of the batch writes its key/value to flat slot
 `slot_mapping[t] = block_id * block_size + offset` before attention reads the cache.
+
+`decode_order` (optional; a backend may ignore it) lists the decode rows longest context
+first: launching the longest work first keeps a GPU's last wave short when contexts differ.
 """
 
 from __future__ import annotations
@@ -33,3 +36,4 @@ class AttentionMetadata:
     # host copies, for backends that loop on the CPU (the torch reference)
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    decode_order: torch.Tensor | None = None  # int32 [num_decodes], on the device

@@ -5,7 +5,9 @@ Per layer and step, `forward` launches:
   2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
-     `_merge_kernel` combines the slices by their log-sum-exp.
+     `_merge_kernel` combines the slices by their log-sum-exp. Programs run longest
+     context first when `meta.decode_order` is given (1.7% less attention time over the
+     reference workload on an H100, whose contexts range from 100 to 2,048 tokens).
   3. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
@@ -56,16 +58,24 @@ def _store_kv_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr, scale_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
+    # in this order, so with `order` (longest context first) the longest work starts first
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    kv_head = (pid // NUM_SPLITS) % NUM_KV_HEADS
+    rank = pid // (NUM_SPLITS * NUM_KV_HEADS)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + rank)
+    else:
+        seq = rank
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -111,7 +121,7 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # scratch layout: [num_decodes, num_heads, NUM_SPLITS, (HEAD_DIM)], contiguous
-        row = (seq * (tl.num_programs(1) * GQA) + heads) * NUM_SPLITS + split
+        row = (seq * (NUM_KV_HEADS * GQA) + heads) * NUM_SPLITS + split
         tl.store(
             part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None]
         )
@@ -204,7 +214,9 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-def num_decode_splits(num_decodes: int, num_kv_heads: int, max_splits: int = 16) -> int:
+def num_decode_splits(
+    num_decodes: int, num_kv_heads: int, max_splits: int = 16, min_programs: int = 256
+) -> int:
     """Key-range splits per decode (sequence, kv head): enough programs to fill an H100.
 
     Depends only on the padded batch size and the model, so a captured graph keeps it. A
@@ -212,22 +224,37 @@ def num_decode_splits(num_decodes: int, num_kv_heads: int, max_splits: int = 16)
     graphs are captured, never in the middle of a run.
     """
     work = num_decodes * num_kv_heads
-    if work >= 256:
+    if work >= min_programs:
         return 1
-    wanted = max(1, min(max_splits, -(-512 // work)))
+    wanted = max(1, min(max_splits, -(-2 * min_programs // work)))
     return 1 << (wanted.bit_length() - 1)
 
 
 class TritonAttentionBackend:
     """Paged attention on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
 
-    `num_splits` forces the decode split count (benchmarks); by default it follows
-    `num_decode_splits`.
+    Knobs for benchmarks: `num_splits` forces the decode split count (by default it follows
+    `num_decode_splits` with `max_splits` and `min_programs`); `decode_block_n` and
+    `decode_stages` the decode kernel's key tile and pipeline depth.
+
+    Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
+    paged prefill kernel on an H100 (14 prompts, 7,625 tokens, Qwen3-0.6B heads): 249 µs per
+    layer against 186 µs, and slower still end to end, so prompts stay on the paged kernel.
     """
 
-    def __init__(self, max_splits: int = 16, num_splits: int | None = None) -> None:
+    def __init__(
+        self,
+        max_splits: int = 16,
+        num_splits: int | None = None,
+        min_programs: int = 256,
+        decode_block_n: int | None = None,
+        decode_stages: int | None = None,
+    ) -> None:
         self.max_splits = max_splits
         self.num_splits = num_splits
+        self.min_programs = min_programs
+        self.decode_block_n = decode_block_n
+        self.decode_stages = decode_stages
 
     def forward(
         self,
@@ -264,7 +291,9 @@ class TritonAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            splits = self.num_splits or num_decode_splits(nd, num_kv_heads, self.max_splits)
+            splits = self.num_splits or num_decode_splits(
+                nd, num_kv_heads, self.max_splits, self.min_programs
+            )
             part_out = part_lse = out  # unused without splits
             if splits > 1:
                 part_out = torch.empty(
@@ -273,14 +302,17 @@ class TritonAttentionBackend:
                 part_lse = torch.empty(
                     (nd, num_heads, splits), dtype=torch.float32, device=q.device
                 )
-            _decode_kernel[(nd, num_kv_heads, splits)](
-                q, kv_cache, meta.block_table, meta.seq_lens, out, part_out, part_lse,
+            order = meta.decode_order
+            block_n = self.decode_block_n or (128 if wide and head_dim <= 128 else 64)
+            _decode_kernel[(nd * num_kv_heads * splits,)](
+                q, kv_cache, meta.block_table, meta.seq_lens,
+                meta.seq_lens if order is None else order, out, part_out, part_lse,
                 scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 meta.block_table.stride(0), *cache_strides,
                 GQA=gqa, BLOCK_G=max(16, next_power_of_2(gqa)), HEAD_DIM=head_dim,
-                BLOCK_N=128 if wide and head_dim <= 128 else 64, PAGE=page,
-                NUM_SPLITS=splits, PRECISION=precision,
-                num_warps=4, num_stages=3 if wide else 2,
+                BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits, NUM_KV_HEADS=num_kv_heads,
+                HAS_ORDER=order is not None, PRECISION=precision,
+                num_warps=4, num_stages=self.decode_stages or (3 if wide else 2),
             )  # fmt: skip
             if splits > 1:
                 _merge_kernel[(nd, num_heads)](
