@@ -19,8 +19,13 @@ _QUARTER = 1024  # a tile is 4 quarters: one Philox call gives the 4 quarters' r
 
 
 @triton.jit
-def _gumbel_quarter(logits_row, idx, vocab, bits, greedy, inv_t, threshold, best_val, best_idx):
-    logit = tl.load(logits_row + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+def _gumbel_quarter(
+    logits_row, idx, vocab_start, vocab_end, bits, greedy, inv_t, threshold, best_val, best_idx
+):
+    # idx is a global vocabulary index; the row holds [vocab_start, vocab_end) of them
+    mask = (idx >= vocab_start) & (idx < vocab_end)
+    logit = tl.load(logits_row + (idx - vocab_start), mask=mask, other=float("-inf"))
+    logit = logit.to(tl.float32)
     u = tl.random.uint_to_uniform_float(bits)
     z = tl.where(greedy, logit, logit * inv_t - tl.log(-tl.log(u)))
     z = tl.where(logit >= threshold, z, float("-inf"))
@@ -30,10 +35,10 @@ def _gumbel_quarter(logits_row, idx, vocab, bits, greedy, inv_t, threshold, best
 
 # The chunk counts vary with the number of rows every step: as plain (unspecialized) ints
 # they never trigger a recompile in the middle of a run.
-@triton.jit(do_not_specialize=["tiles_per_chunk", "num_chunks"])
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_chunks", "vocab_start", "vocab_end"])
 def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
-    part_idx_ptr, vocab, tiles_per_chunk, num_chunks,
+    part_idx_ptr, vocab_start, vocab_end, tiles_per_chunk, num_chunks,
     QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -53,23 +58,61 @@ def _sample_kernel(
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     best_val = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.zeros([QUARTER], tl.int32)
-    num_tiles = tl.cdiv(vocab, 4 * QUARTER)
-    tile_start = chunk * tiles_per_chunk
-    for tile in range(tile_start, tl.minimum(tile_start + tiles_per_chunk, num_tiles)):
+    # tiles of the global vocabulary, so a shard draws exactly the noise the whole row would
+    first_tile = vocab_start // (4 * QUARTER)
+    end_tile = tl.cdiv(vocab_end, 4 * QUARTER)
+    tile_start = first_tile + chunk * tiles_per_chunk
+    for tile in range(tile_start, tl.minimum(tile_start + tiles_per_chunk, end_tile)):
         counter = (tile * QUARTER + offs).to(tl.uint32)
         r0, r1, r2, r3 = tl.philox(seed, counter, pos_lo, pos_hi, zero)
         base = tile * 4 * QUARTER + offs
         best_val, best_idx = _gumbel_quarter(
-            logits_row, base, vocab, r0, greedy, inv_t, threshold, best_val, best_idx
+            logits_row,
+            base,
+            vocab_start,
+            vocab_end,
+            r0,
+            greedy,
+            inv_t,
+            threshold,
+            best_val,
+            best_idx,
         )
         best_val, best_idx = _gumbel_quarter(
-            logits_row, base + QUARTER, vocab, r1, greedy, inv_t, threshold, best_val, best_idx
+            logits_row,
+            base + QUARTER,
+            vocab_start,
+            vocab_end,
+            r1,
+            greedy,
+            inv_t,
+            threshold,
+            best_val,
+            best_idx,
         )
         best_val, best_idx = _gumbel_quarter(
-            logits_row, base + 2 * QUARTER, vocab, r2, greedy, inv_t, threshold, best_val, best_idx
+            logits_row,
+            base + 2 * QUARTER,
+            vocab_start,
+            vocab_end,
+            r2,
+            greedy,
+            inv_t,
+            threshold,
+            best_val,
+            best_idx,
         )
         best_val, best_idx = _gumbel_quarter(
-            logits_row, base + 3 * QUARTER, vocab, r3, greedy, inv_t, threshold, best_val, best_idx
+            logits_row,
+            base + 3 * QUARTER,
+            vocab_start,
+            vocab_end,
+            r3,
+            greedy,
+            inv_t,
+            threshold,
+            best_val,
+            best_idx,
         )
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
@@ -130,22 +173,62 @@ def sample(
     """
     if not use_triton(logits):
         return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    assert logits.stride(-1) == 1
     num_rows, vocab = logits.shape
     threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
-    num_tiles = triton.cdiv(vocab, 4 * _QUARTER)
-    chunks = max(1, min(num_tiles, triton.cdiv(1024, max(1, num_rows))))  # ~1024 programs
+    part_val, part_idx = _sample_chunks(logits, temperature, threshold, seeds, positions, 0, vocab)
+    if part_idx.shape[1] == 1:
+        return part_idx[:, 0].long()
+    return part_idx.gather(1, part_val.argmax(1, keepdim=True)).squeeze(1).long()
+
+
+def sample_shard(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_start: int,
+    vocab_end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` without filters on one rank's slice of the vocabulary.
+
+    logits [N, >= vocab_end - vocab_start] hold the global indices [vocab_start, vocab_end)
+    (columns past them, a shard's padding, are ignored). Returns each row's best score
+    (logit / T + its Gumbel noise; the logit for greedy rows) as float32 and its global index
+    as int64. The noise is the one `sample` draws for that global index, so the best of the
+    ranks' bests (the first on ties) is exactly the token `sample` picks from the whole row.
+    """
+    part_val, part_idx = _sample_chunks(
+        logits, temperature, None, seeds, positions, vocab_start, vocab_end
+    )
+    best = part_val.argmax(1, keepdim=True)
+    return part_val.gather(1, best).squeeze(1), part_idx.gather(1, best).squeeze(1).long()
+
+
+def _sample_chunks(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    threshold: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_start: int,
+    vocab_end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over ~1024 programs: per row and vocabulary chunk, the best score and its
+    global index ([N, chunks] each)."""
+    assert logits.stride(-1) == 1
+    num_rows = logits.shape[0]
+    tile = 4 * _QUARTER
+    num_tiles = triton.cdiv(vocab_end, tile) - vocab_start // tile
+    chunks = max(1, min(num_tiles, triton.cdiv(1024, max(1, num_rows))))
     tiles_per_chunk = triton.cdiv(num_tiles, chunks)
     part_val = torch.empty((num_rows, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((num_rows, chunks), dtype=torch.int32, device=logits.device)
     _sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
-        seeds, positions, part_val, part_idx, vocab, tiles_per_chunk, chunks,
+        seeds, positions, part_val, part_idx, vocab_start, vocab_end, tiles_per_chunk, chunks,
         QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, num_warps=8,
     )  # fmt: skip
-    if chunks == 1:
-        return part_idx[:, 0].long()
-    return part_idx.gather(1, part_val.argmax(1, keepdim=True)).squeeze(1).long()
+    return part_val, part_idx
 
 
 def sample_reference(
