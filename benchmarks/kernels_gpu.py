@@ -14,7 +14,11 @@ import torch
 import triton.testing
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.triton_attention import TritonAttentionBackend, num_decode_splits
+from minivllm.worker.attention.triton_attention import (
+    TritonAttentionBackend,
+    num_decode_splits,
+    store_kv_cache,
+)
 from minivllm.worker.ops import norm, rotary
 from minivllm.worker.ops.activation import silu_and_mul, silu_and_mul_torch
 from minivllm.worker.ops.sampling import sample
@@ -186,6 +190,29 @@ def bench_ops() -> None:
     rotary.qk_norm_rope(q, k, qw, kw, cache, pos, 1e-6, True)
     rotary.qk_norm_rope_torch(q2, k2, qw, kw, cache, pos, 1e-6, True)
     torch.testing.assert_close((q, k), (q2, k2), **tol)
+    # the KV store fused into the rotary kernel against the rotation, then the store kernel
+    v = qkv[:, (HQ + HKV) * D :].view(t, HKV, D)
+    kv_cache = torch.zeros(2, t // BLOCK + 1, BLOCK, HKV, D, dtype=DTYPE, device=DEV)
+    slots = torch.randperm(kv_cache.shape[1] * BLOCK, device=DEV)[:t]
+    fused_cache, q2, k2 = kv_cache.clone(), q.clone(), k.clone()
+    rotary.qk_norm_rope(q, k, qw, kw, cache, pos, 1e-6, True, v, fused_cache, slots)
+    rotary.qk_norm_rope(q2, k2, qw, kw, cache, pos, 1e-6, True)
+    store_kv_cache(k2, v, kv_cache, slots)
+    torch.testing.assert_close((q, k, fused_cache), (q2, k2, kv_cache), **tol)
+
+    def rope_then_store(n: int) -> None:
+        rotary.qk_norm_rope(q[:n], k[:n], qw, kw, cache, pos[:n], 1e-6, True)
+        store_kv_cache(k[:n], v[:n], kv_cache, slots[:n])
+
+    for n in (1, t):
+        us = bench(
+            lambda n=n: rotary.qk_norm_rope(
+                q[:n], k[:n], qw, kw, cache, pos[:n], 1e-6, True, v[:n], kv_cache, slots[:n]
+            )
+        )
+        two_us = bench(lambda n=n: rope_then_store(n))
+        rows.append(("qk_norm_rope+kv", f"{n} tok, {HQ}+{HKV} heads, KV store fused", us,
+                     f"rope then store kernel {two_us:.1f} µs"))  # fmt: skip
 
     cases = [
         ("rms_norm", f"{t}x{hidden}", lambda: norm.rms_norm(x, w, 1e-6), lambda: norm.rms_norm_torch(x, w, 1e-6)),

@@ -30,6 +30,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _GREEDY_EPS = 1e-5
 # KV sizing leaves this share of the GPU to the CUDA graphs' memory pool (captured later)
 _GRAPH_RESERVE = 0.01
+# attention backends that never read device data on the host, so a decode step can be captured
+_GRAPH_SAFE_BACKENDS = ("triton", "flash-attn")
 
 
 class ModelRunner:
@@ -49,11 +51,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend_name, self.attn_backend = self._make_attn_backend()
-        # decode graphs need a backend that never reads host data (not the torch reference)
         self.use_graphs = (
             device.type == "cuda"
             and not config.device.enforce_eager
-            and self.attn_backend_name == "triton"
+            and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
         self.graphs = DecodeGraphs()
         # launched steps whose sampled ids have not been applied to the host token ids yet
@@ -184,7 +185,12 @@ class ModelRunner:
         if self.use_graphs:
             self._capture_graphs()
         elif self.device.type == "cuda":
-            logger.info("CUDA graphs off (enforce_eager or the torch attention backend)")
+            why = (
+                "enforce_eager"
+                if self.config.device.enforce_eager
+                else f"the {self.attn_backend_name} attention backend reads device data on the host"
+            )
+            logger.info("CUDA graphs off (%s)", why)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
@@ -241,11 +247,9 @@ class ModelRunner:
         if not sample_idx:
             return AsyncModelRunnerOutput(so.step_id, req_ids, [], None)
         ns = len(sample_idx)
-        logits = self._logits(hidden.index_select(0, d.logits_indices[:ns]))
         sampled_states = [states[i] for i in sample_idx]
-        out = AsyncModelRunnerOutput(
-            so.step_id, req_ids, sample_idx, self._sample(logits, sampled_states)
-        )
+        sampled = self._sample_hidden(hidden.index_select(0, d.logits_indices[:ns]), ns)
+        out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
             s.last_sample = (out, j)
@@ -377,9 +381,24 @@ class ModelRunner:
             return lm_head.compute_logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
-        """Sampled ids [N] on the logits' device, parameters from the step buffers."""
-        ns = len(states)
+    def _sample_hidden(self, hidden: torch.Tensor, ns: int) -> torch.Tensor:
+        """Sampled ids [ns] on the device for the final hidden states of the sampling rows."""
+        d, h = self.buffers.dev, self.buffers.host
+        lm_head = getattr(self.model, "lm_head", None)
+        if self.device.type == "cuda" and self.tp.size > 1 and lm_head is not None:
+            unfiltered = not (
+                (h.top_k[:ns] > 0).any() or (h.top_p[:ns] < 1.0).any() or (h.min_p[:ns] > 0).any()
+            )
+            if unfiltered:
+                from minivllm.worker.vocab_parallel_sampling import sample_vocab_parallel
+
+                return sample_vocab_parallel(
+                    lm_head, hidden, d.temperature[:ns], d.seeds[:ns], d.sample_positions[:ns]
+                )
+        return self._sample(self._logits(hidden), ns)
+
+    def _sample(self, logits: torch.Tensor, ns: int) -> torch.Tensor:
+        """Sampled ids [ns] on the logits' device, parameters from the step buffers."""
         d, h = self.buffers.dev, self.buffers.host
         if self.device.type == "cuda":
             from minivllm.worker.ops.sampling import sample

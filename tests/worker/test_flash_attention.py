@@ -164,6 +164,17 @@ def test_matches_torch_reference(fake_flash_attn, case: str, page: int) -> None:
     assert not out[meta.num_tokens :].any()  # padding rows
 
 
+def test_kv_stored_before_forward_is_not_stored_again(fake_flash_attn) -> None:
+    q, k, v, cache, meta = _step(CASES["mixed"], 256, pad_rows=2, seed=5)
+    expected = TorchAttentionBackend().forward(q, k, v, cache, meta, SCALE)
+    # the cache as the layer's rotary kernel leaves it: this step's k/v stored already
+    stored = cache.clone()
+    zeros = torch.zeros_like(k)
+    out = FlashAttentionBackend().forward(q, zeros, zeros, cache, meta, SCALE, kv_stored=True)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    assert torch.equal(cache, stored)
+
+
 def test_unsupported_reasons(fake_flash_attn, monkeypatch: pytest.MonkeyPatch) -> None:
     bf16 = torch.bfloat16
     assert flash_attn_unsupported_reason(256, 128, bf16) is None

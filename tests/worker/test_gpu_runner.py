@@ -1,10 +1,12 @@
-"""The GPU path end to end: bf16 against transformers, CUDA graphs against eager, the Triton
-attention backend against the torch reference, the overlapped worker process against the
-in-process one. Skipped without a CUDA device (see tests/conftest.py)."""
+"""The GPU path end to end: bf16 against transformers, CUDA graphs against eager (Triton and
+flash-attn), the Triton attention backend (KV stored by the rotary kernel) against the torch
+reference (which stores it itself), the overlapped worker process against the in-process one.
+Skipped without a CUDA device (see tests/conftest.py)."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import random
 
 import pytest
@@ -37,6 +39,23 @@ def small_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         max_position_embeddings=1024,
         seed=7,
     )
+
+
+@pytest.fixture(scope="module")
+def no_qk_norm_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Small random Llama (GQA 4) and Qwen2 (q/k/v bias): rotary without a q/k norm."""
+    root = tmp_path_factory.mktemp("no_qk_norm")
+    common = dict(num_layers=2, hidden_size=256, intermediate_size=512, head_dim=64)
+    return {
+        "llama": build_checkpoint(
+            str(root / "llama"), "llama", tie_word_embeddings=False, num_heads=8,
+            num_kv_heads=2, max_position_embeddings=1024, seed=8, **common,
+        ),
+        "qwen2": build_checkpoint(
+            str(root / "qwen2"), "qwen2", tie_word_embeddings=False, num_heads=4,
+            num_kv_heads=2, max_position_embeddings=1024, seed=9, **common,
+        ),
+    }  # fmt: skip
 
 
 def prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
@@ -115,6 +134,22 @@ def test_cuda_graphs_give_the_eager_tokens(small_dir: str) -> None:
         assert graphs == eager
 
 
+def test_flash_attn_decode_graphs_give_the_eager_tokens(
+    small_dir: str, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("flash_attn")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "flash-attn")
+    ps = prompts(seed=4)
+    kw = dict(dtype="bfloat16", distributed_executor_backend="uni", block_size=256)
+    for params in (GREEDY, SAMPLED):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="minivllm.worker.cuda_graphs"):
+            graphs = generate(small_dir, ps, params, **kw)
+        assert any("captured" in r.getMessage() for r in caplog.records)
+        eager = generate(small_dir, ps, params, enforce_eager=True, **kw)
+        assert graphs == eager
+
+
 def test_triton_and_torch_attention_agree(small_dir: str, monkeypatch) -> None:
     ps = prompts(n=8, seed=2)
     kw = dict(dtype="float32", distributed_executor_backend="uni", enforce_eager=True)
@@ -124,6 +159,17 @@ def test_triton_and_torch_attention_agree(small_dir: str, monkeypatch) -> None:
     triton_out = generate(small_dir, ps, GREEDY, **kw)
     assert triton_out == torch_out
     assert triton_out == hf_greedy(small_dir, ps, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_models_without_qk_norm_match_transformers(
+    no_qk_norm_dirs: dict[str, str], arch: str, monkeypatch
+) -> None:
+    """The rotary kernel stores their KV too (Triton backend, decode graphs and eager prefill)."""
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    path, ps = no_qk_norm_dirs[arch], prompts(n=8, seed=5)
+    out = generate(path, ps, GREEDY, dtype="float32", distributed_executor_backend="uni")
+    assert out == hf_greedy(path, ps, MAX_TOKENS)
 
 
 def test_overlapped_worker_process_gives_the_in_process_tokens(small_dir: str) -> None:

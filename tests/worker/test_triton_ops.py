@@ -67,6 +67,51 @@ def check_qk_norm_rope(device: str, dtype: torch.dtype, apply_norm: bool) -> Non
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before)  # v untouched
 
 
+def check_qk_norm_rope_kv_store(
+    device: str, dtype: torch.dtype, apply_norm: bool, cache_dtype: torch.dtype
+) -> None:
+    """The KV store fused into qk_norm_rope against the unfused path (rotate, then the
+    attention backend's store kernel): the same q/k and the same cache, for GQA shapes with
+    padded head tiles (3 kv heads), slot -1 and rows past the slot mapping left unstored."""
+    from minivllm.worker.attention.torch_attention import store_kv
+    from minivllm.worker.attention.triton_attention import store_kv_cache
+
+    gen = torch.Generator().manual_seed(3)
+    fp32, low = {"atol": 1e-5, "rtol": 1e-5}, {"atol": 2e-2, "rtol": 2e-2}
+    tol = fp32 if dtype == torch.float32 else low
+    cache_tol = fp32 if cache_dtype == torch.float32 else low
+    t, d, page, num_blocks = 7, 64, 4, 5
+    # the last token has no slot (a padded row); token 1 has slot -1
+    slots = torch.tensor([13, -1, 0, 7, 19, 2], device=device)
+    positions = torch.tensor([0, 1, 5, 17, 63, 2, 9], device=device)
+    cos_sin = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    for hq, hk in ((8, 2), (6, 3)):
+        qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype=dtype, device=device)
+        q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer has them
+        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        q_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+        k_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+        cache = torch.randn(2, num_blocks, page, hk, d, generator=gen).to(cache_dtype).to(device)
+        args = (q_w, k_w, cos_sin, positions, 1e-6, apply_norm)
+
+        q_ref, k_ref, ref_cache = q.clone(), k.clone(), cache.clone()
+        rotary.qk_norm_rope(q_ref, k_ref, *args)
+        store_kv_cache(k_ref, v, ref_cache, slots)
+
+        v_before, untouched = v.clone(), cache.clone()
+        rotary.qk_norm_rope(q, k, *args, v=v, kv_cache=cache, slot_mapping=slots)
+        torch.testing.assert_close(q, q_ref, **tol)
+        torch.testing.assert_close(k, k_ref, **tol)
+        assert torch.equal(v, v_before)
+        # exactly the rotated k and the v rows, cast to the cache dtype, at their slots; every
+        # other row (slot -1, the padded token's, the unused slots) as it was
+        expected = untouched.clone()
+        store_kv(k, v, expected, slots)
+        assert torch.equal(cache, expected), (hq, hk)
+        torch.testing.assert_close(cache, ref_cache, **cache_tol)
+
+
 def check_sampler(sample_fn, device: str, draws: int = 2000) -> None:  # noqa: ANN001
     """`draws` independent draws check the distribution (fewer under the slow interpreter)."""
     gen = torch.Generator().manual_seed(2)
@@ -135,6 +180,14 @@ def test_torch_paths_and_rope_cache() -> None:
     check_norm_and_activation("cpu", torch.float32)  # without the interpreter: torch paths
     check_qk_norm_rope("cpu", torch.float32, True)
     check_sampler(sampling.sample_reference, "cpu")
+    # the torch fallback rotates only; a KV store asked of it is refused, not dropped
+    q, k, v = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
+    cos_sin = rotary.build_cos_sin_cache(4, 8, 100.0, torch.float32, "cpu")
+    kv_cache, pos, slots = torch.zeros(2, 1, 4, 2, 8), torch.arange(2), torch.arange(2)
+    with pytest.raises(ValueError, match="only into the Triton kernel"):
+        rotary.qk_norm_rope(q, k, None, None, cos_sin, pos, 0.0, False, v, kv_cache, slots)
+    with pytest.raises(ValueError, match="come together"):
+        rotary.qk_norm_rope(q, k, None, None, cos_sin, pos, 0.0, False, v, kv_cache)
     cache = rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu")
     angles = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])  # theta^(-2i/d)
     torch.testing.assert_close(cache, torch.cat([angles.cos(), angles.sin()], -1))
@@ -171,7 +224,7 @@ def _interpret(*checks: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("checks", [["norm", "rope"], ["sampler"]])
+@pytest.mark.parametrize("checks", [["norm", "rope"], ["rope_kv_store"], ["sampler"]])
 def test_triton_ops_interpreted(checks: list[str]) -> None:
     _interpret(*checks)
 
@@ -182,6 +235,50 @@ def test_triton_ops_gpu(dtype: torch.dtype) -> None:
     check_norm_and_activation("cuda", dtype)
     check_qk_norm_rope("cuda", dtype, True)
     check_qk_norm_rope("cuda", dtype, False)
+    check_qk_norm_rope_kv_store("cuda", dtype, True, dtype)
+    check_qk_norm_rope_kv_store("cuda", dtype, False, dtype)
+    check_qk_norm_rope_kv_store("cuda", dtype, True, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_kv_stores_replay_in_a_cuda_graph() -> None:
+    """Both KV stores read their slots on the device: a captured graph replayed with new
+    slots and positions writes where the new slots say, as an eager run does."""
+    from minivllm.worker.attention.triton_attention import store_kv_cache
+
+    gen = torch.Generator().manual_seed(4)
+    t, hq, hk, d, page = 4, 8, 2, 128, 16
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+
+    qkv, cache, w = rand(t, (hq + 2 * hk) * d), rand(2, 6, page, hk, d), rand(d)
+    cos_sin = rotary.build_cos_sin_cache(512, d, 10000.0, torch.float32, "cuda")
+    positions = torch.zeros(t, dtype=torch.long, device="cuda")
+    slots = torch.full((t,), -1, dtype=torch.long, device="cuda")
+
+    def step(qkv: torch.Tensor, cache: torch.Tensor) -> None:
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        rotary.qk_norm_rope(q, k, w, w, cos_sin, positions, 1e-6, True, v, cache, slots)
+        store_kv_cache(k, v, cache[:, 3:], slots)  # a second copy, blocks 3.. of the cache
+
+    static_qkv, static_cache = qkv.clone(), cache.clone()
+    step(static_qkv.clone(), static_cache.clone())  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static_qkv, static_cache)
+    positions.copy_(torch.tensor([3, 100, 7, 511]))
+    slots.copy_(torch.tensor([5, -1, 40, 17]))
+    static_qkv.copy_(qkv)
+    static_cache.copy_(cache)
+    graph.replay()
+    eager_qkv, eager_cache = qkv.clone(), cache.clone()
+    step(eager_qkv, eager_cache)
+    assert torch.equal(static_qkv, eager_qkv)
+    assert torch.equal(static_cache, eager_cache)
+    assert not torch.equal(eager_cache, cache)  # the new slots were written
 
 
 @pytest.mark.gpu
@@ -199,6 +296,10 @@ if __name__ == "__main__":  # the interpreted run: python this_file.py CHECK...
         elif check == "rope":
             check_qk_norm_rope("cpu", torch.float32, True)
             check_qk_norm_rope("cpu", torch.float32, False)
+        elif check == "rope_kv_store":
+            check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float32)
+            check_qk_norm_rope_kv_store("cpu", torch.float32, False, torch.float32)
+            check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float16)
         elif check == "sampler":
             check_sampler(sampling.sample, "cpu", draws=300)
         print("ok", check)

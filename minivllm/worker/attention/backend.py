@@ -10,7 +10,16 @@ from minivllm.worker.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    """Stores this step's keys/values into the paged cache, then attends over it."""
+    """Stores this step's keys/values into the paged cache, then attends over it.
+
+    The store may be done before `forward` instead: where `fuses_kv_store` is True, a layer
+    on CUDA has its rotary kernel write the rotated k and the v into `kv_cache` at
+    `meta.slot_mapping` (the same values, in the cache's dtype) and passes `kv_stored=True`,
+    saving the backend's store kernel. Backends whose own store reads the slots on the host
+    (the torch reference, the CPU backend) set it False, so layers leave the store to them.
+    """
+
+    fuses_kv_store: bool
 
     def forward(
         self,
@@ -20,5 +29,6 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,  # True: k/v are in kv_cache already, do not store them
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

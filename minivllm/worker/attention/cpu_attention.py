@@ -20,6 +20,8 @@ _MAX_GATHER_ELEMENTS = 1 << 25
 class CpuAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
 
+    fuses_kv_store = False
+
     def forward(
         self,
         q: torch.Tensor,
@@ -28,8 +30,10 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        if not kv_stored:
+            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
 
         out = torch.zeros_like(q)
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()

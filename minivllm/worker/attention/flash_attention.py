@@ -3,7 +3,8 @@
 The KV cache layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` already holds
 flash-attn's paged layout `[num_blocks, page_block_size, nheads_k, headdim]` in each half, so
 the kernels read our blocks in place through `block_table`. Per layer and step:
-  1. this step's k/v rows go into the cache at `slot_mapping`;
+  1. this step's k/v rows go into the cache at `slot_mapping` (Triton's store kernel), unless
+     the layer's rotary kernel has written them already (`kv_stored`);
   2. decode sequences (one query token each) go through `flash_attn_with_kvcache`, which picks
      a split-KV count for short batches of long contexts;
   3. the other sequences go through `flash_attn_varlen_func` over the paged cache. flash-attn
@@ -14,8 +15,8 @@ flash-attn's own checks (flash_api.cpp) set what it can serve: fp16/bf16 only, h
 to 256, pages a multiple of 256 tokens. `flash_attn_unsupported_reason` mirrors them so the
 selector falls back to Triton instead of failing on the first forward.
 
-Decode steps run eagerly (no CUDA graphs): the KV store checks the slot mapping on the host,
-which a graph capture forbids.
+Nothing here reads device data on the host, so decode steps are captured in CUDA graphs; padded
+graph rows have `seq_lens == 0` and slot -1 (not stored), and their output is not used.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.torch_attention import store_kv
+from minivllm.worker.ops._triton import use_triton
 
 _PAGE_MULTIPLE = 256  # "Paged KV cache block size must be divisible by 256"
 _MAX_HEAD_DIM = 256
@@ -58,11 +60,16 @@ def flash_attn_unsupported_reason(block_size: int, head_dim: int, dtype: torch.d
 class FlashAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout) with flash-attn."""
 
+    fuses_kv_store = True  # the layer's rotary kernel may store k/v instead (`kv_stored`)
+
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from minivllm.worker.attention.triton_attention import store_kv_cache
+
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
+        self._store_kv_cache = store_kv_cache
 
     def forward(
         self,
@@ -72,8 +79,13 @@ class FlashAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        if not kv_stored:
+            slots = meta.slot_mapping[: meta.num_tokens]
+            # the torch store (CPU tensors, in tests) reads the slots on the host
+            store = self._store_kv_cache if use_triton(k) else store_kv
+            store(k, v, kv_cache, slots)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd, n, num_tokens = meta.num_decodes, meta.num_seqs, meta.num_tokens
         out = torch.empty_like(q)

@@ -15,6 +15,8 @@ from minivllm.worker.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
 
+    fuses_kv_store = False
+
     def forward(
         self,
         q: torch.Tensor,
@@ -23,9 +25,11 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        if not kv_stored:
+            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
 
         starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
         seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)

@@ -1,7 +1,9 @@
 """Triton paged attention: KV store, decode (optionally split-KV) and prefill kernels.
 
 Per layer and step, `forward` launches:
-  1. `_store_kv_kernel`: this step's k/v rows into the paged cache at `slot_mapping`.
+  1. `_store_kv_kernel` (`store_kv_cache`): this step's k/v rows into the paged cache at
+     `slot_mapping`; skipped with `kv_stored=True`, when the layer's rotary kernel has
+     written them already (`fuses_kv_store`).
   2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
@@ -214,6 +216,26 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
+def store_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write row t of k/v [T, num_kv_heads, head_dim] into `kv_cache` at flat slot
+    `slot_mapping[t]` (int64; -1 = skip), cast to the cache's dtype. One program per slot,
+    which reads its slot on the device: nothing waits for the GPU, and it can be captured
+    in a CUDA graph."""
+    num_slots = slot_mapping.numel()
+    if not num_slots:
+        return
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    assert k.stride(2) == v.stride(2) == kv_cache.stride(4) == 1
+    _store_kv_kernel[(num_slots,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kv_cache.stride()[:4],
+        NUM_KV_HEADS=num_kv_heads, BLOCK_H=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2],
+    )  # fmt: skip
+
+
 def num_decode_splits(
     num_decodes: int, num_kv_heads: int, max_splits: int = 16, min_programs: int = 256
 ) -> int:
@@ -242,6 +264,8 @@ class TritonAttentionBackend:
     layer against 186 µs, and slower still end to end, so prompts stay on the paged kernel.
     """
 
+    fuses_kv_store = True  # the layer's rotary kernel may store k/v instead (`kv_stored`)
+
     def __init__(
         self,
         max_splits: int = 16,
@@ -264,6 +288,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
@@ -279,14 +304,8 @@ class TritonAttentionBackend:
         scale_log2 = scale * LOG2E
         wide = q.dtype != torch.float32  # 16-bit tiles fit twice as many keys in shared memory
 
-        num_slots = meta.slot_mapping.numel()
-        if num_slots:
-            _store_kv_kernel[(num_slots,)](
-                k, v, kv_cache, meta.slot_mapping,
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache_strides,
-                NUM_KV_HEADS=num_kv_heads, BLOCK_H=next_power_of_2(num_kv_heads),
-                HEAD_DIM=head_dim, PAGE=page,
-            )  # fmt: skip
+        if not kv_stored:
+            store_kv_cache(k, v, kv_cache, meta.slot_mapping)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes

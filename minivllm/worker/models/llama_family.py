@@ -91,8 +91,11 @@ class Attention(nn.Module):
         q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
         k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
         v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        # on CUDA the rotary kernel can also write k/v into the cache: one store kernel less
+        kv_stored = self.backend.fuses_kv_store and self.rotary_emb.can_store_kv(q)
+        store = (v, kv_cache, meta.slot_mapping) if kv_stored else (None, None, None)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, *store)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_stored=kv_stored)
         return self.o_proj(out.reshape(-1, q_size))
 
 

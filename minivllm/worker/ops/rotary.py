@@ -3,6 +3,10 @@
 The cos/sin cache is one tensor `[max_pos, head_dim]`: columns `[0, head_dim/2)` hold
 cos(pos * inv_freq), columns `[head_dim/2, head_dim)` sin(pos * inv_freq). Rotation is HF's
 rotate_half layout: x1 = x[:half], x2 = x[half:] -> (x1*cos - x2*sin, x2*cos + x1*sin).
+
+On the Triton path the same program (one per token) can also write the token's rotated k and
+its v into the paged KV cache, saving the attention backend's store kernel: one launch less
+per layer and step.
 """
 
 from __future__ import annotations
@@ -70,17 +74,22 @@ def _norm_rope_heads(
         # rounded to the activation dtype twice, as HF's RMSNorm does
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(ptrs, y1, mask=mask)
+    tl.store(ptrs + HALF, y2, mask=mask)
+    return y1, y2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])  # one variant for every batch size
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_w_ptr, k_w_ptr, cache_ptr, pos_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cache, n_q_heads,
     n_k_heads, eps,
+    v_ptr, kv_ptr, slot_ptr, n_slots, stride_v_tok, stride_v_head,
+    stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-    APPLY_NORM: tl.constexpr,
+    APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0)
     pos = tl.load(pos_ptr + tok)
@@ -91,10 +100,26 @@ def _qk_norm_rope_kernel(
         q_ptr + tok * stride_q_tok, stride_q_head, n_q_heads, q_w_ptr, cos, sin, eps,
         BLOCK_HQ, HALF, APPLY_NORM,
     )  # fmt: skip
-    _norm_rope_heads(
+    k1, k2 = _norm_rope_heads(
         k_ptr + tok * stride_k_tok, stride_k_head, n_k_heads, k_w_ptr, cos, sin, eps,
         BLOCK_HK, HALF, APPLY_NORM,
     )  # fmt: skip
+    if STORE_KV:
+        # rows past the slot mapping (padding) and slot -1 are not stored
+        slot = tl.load(slot_ptr + tok, mask=tok < n_slots, other=-1)
+        if slot >= 0:
+            offs_h = tl.arange(0, BLOCK_HK)
+            mask = (offs_h < n_k_heads)[:, None]
+            dst = kv_ptr + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_pos
+            dst += offs_h[:, None] * stride_c_head + offs_d[None, :]
+            src = v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + HALF, mask=mask)
+            ty = kv_ptr.dtype.element_ty
+            tl.store(dst, k1.to(ty), mask=mask)
+            tl.store(dst + HALF, k2.to(ty), mask=mask)
+            tl.store(dst + stride_c_kv, v1.to(ty), mask=mask)
+            tl.store(dst + stride_c_kv + HALF, v2.to(ty), mask=mask)
 
 
 def qk_norm_rope_torch(
@@ -127,22 +152,48 @@ def qk_norm_rope(
     positions: torch.Tensor,
     eps: float,
     apply_norm: bool,
+    v: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (views with unit last stride are fine):
-    optional per-head RMSNorm with weights [D], then rotary at `positions` [T] (int64)."""
+    optional per-head RMSNorm with weights [D], then rotary at `positions` [T] (int64).
+
+    With `v` [T, Hkv, D], `kv_cache` [2, num_blocks, block_size, Hkv, D] and `slot_mapping`
+    (int64, one flat slot per token; -1, and rows past its end, are not stored), token t's
+    rotated k and its v also go into the cache at slot `slot_mapping[t]`, in the cache's
+    dtype, as the attention backends' own store would write them. Only the Triton path stores (it reads the
+    slots on the device, so it is CUDA-graph safe); asking the torch fallback is an error."""
     head_dim = q.shape[-1]
     if head_dim % 2 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    fuse_store = kv_cache is not None
+    if fuse_store != (v is not None) or fuse_store != (slot_mapping is not None):
+        raise ValueError("v, kv_cache and slot_mapping come together")
     if not use_triton(q):
+        if fuse_store:
+            raise ValueError("the KV store is fused only into the Triton kernel")
         qk_norm_rope_torch(q, k, q_norm_w, k_norm_w, cos_sin_cache, positions, eps, apply_norm)
         return
     assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1
     q_w = q_norm_w if apply_norm else cos_sin_cache  # dummies when the norm is off
     k_w = k_norm_w if apply_norm else cos_sin_cache
+    if fuse_store:
+        assert v is not None and kv_cache is not None and slot_mapping is not None
+        if v.shape != k.shape or kv_cache.shape[-2:] != k.shape[-2:]:
+            raise ValueError(
+                f"v {tuple(v.shape)} and kv_cache {tuple(kv_cache.shape)} do not match "
+                f"k {tuple(k.shape)}"
+            )
+        assert v.stride(-1) == kv_cache.stride(-1) == 1
+        v_args = (v, kv_cache, slot_mapping, slot_mapping.numel(), v.stride(0), v.stride(1))
+        cache_strides, page = kv_cache.stride()[:4], kv_cache.shape[2]
+    else:  # dummies, never read
+        v_args, cache_strides, page = (k, k, positions, 0, 0, 0), (0, 0, 0, 0), 1
     _qk_norm_rope_kernel[(q.shape[0],)](
         q, k, q_w, k_w, cos_sin_cache, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        q.shape[1], k.shape[1], eps,
+        q.shape[1], k.shape[1], eps, *v_args, *cache_strides,
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]),
-        HALF=head_dim // 2, APPLY_NORM=apply_norm,
+        HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page,
     )  # fmt: skip
