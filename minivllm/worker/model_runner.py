@@ -247,11 +247,9 @@ class ModelRunner:
         if not sample_idx:
             return AsyncModelRunnerOutput(so.step_id, req_ids, [], None)
         ns = len(sample_idx)
-        logits = self._logits(hidden.index_select(0, d.logits_indices[:ns]))
         sampled_states = [states[i] for i in sample_idx]
-        out = AsyncModelRunnerOutput(
-            so.step_id, req_ids, sample_idx, self._sample(logits, sampled_states)
-        )
+        sampled = self._sample_hidden(hidden.index_select(0, d.logits_indices[:ns]), ns)
+        out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
             s.last_sample = (out, j)
@@ -383,9 +381,24 @@ class ModelRunner:
             return lm_head.compute_logits(hidden)
         return self.model.compute_logits(hidden)
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
-        """Sampled ids [N] on the logits' device, parameters from the step buffers."""
-        ns = len(states)
+    def _sample_hidden(self, hidden: torch.Tensor, ns: int) -> torch.Tensor:
+        """Sampled ids [ns] on the device for the final hidden states of the sampling rows."""
+        d, h = self.buffers.dev, self.buffers.host
+        lm_head = getattr(self.model, "lm_head", None)
+        if self.device.type == "cuda" and self.tp.size > 1 and lm_head is not None:
+            unfiltered = not (
+                (h.top_k[:ns] > 0).any() or (h.top_p[:ns] < 1.0).any() or (h.min_p[:ns] > 0).any()
+            )
+            if unfiltered:
+                from minivllm.worker.vocab_parallel_sampling import sample_vocab_parallel
+
+                return sample_vocab_parallel(
+                    lm_head, hidden, d.temperature[:ns], d.seeds[:ns], d.sample_positions[:ns]
+                )
+        return self._sample(self._logits(hidden), ns)
+
+    def _sample(self, logits: torch.Tensor, ns: int) -> torch.Tensor:
+        """Sampled ids [ns] on the logits' device, parameters from the step buffers."""
         d, h = self.buffers.dev, self.buffers.host
         if self.device.type == "cuda":
             from minivllm.worker.ops.sampling import sample
