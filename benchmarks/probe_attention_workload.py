@@ -7,8 +7,8 @@ KV cache, per backend variant. Prints the KV read bandwidth per step and the est
 attention seconds of the whole run (sampled steps x 50), so variants compare on what the
 benchmark actually runs, not on a uniform batch.
 
-Prefill: the first 8,192-token step of prompts, paged Triton prefill kernel against torch's
-FlashAttention-2 `varlen_attn` (dense) for the same prompts.
+Prefill: the first 8,192-token step of prompts, the paged Triton prefill kernel at several
+tile shapes against torch's FlashAttention-2 `varlen_attn` (dense) for the same prompts.
 
     python benchmarks/probe_attention_workload.py
 """
@@ -37,6 +37,12 @@ VARIANTS = {
     "longest first, BLOCK_N 64, 3 stages": dict(order=True, decode_block_n=64, decode_stages=3),
     "longest first, 2 stages": dict(order=True, decode_stages=2),
 }
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel
+PREFILL_TILES = [
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+    (128, 128, 8, 2), (128, 32, 4, 2),
+]  # fmt: skip
 
 
 def meta_for(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMetadata:
@@ -141,10 +147,14 @@ def prefill_probe(cache: torch.Tensor) -> None:
     q = torch.randn(t, Q_HEADS, HEAD_DIM, dtype=DT, device=DEV)
     kv = torch.randn(t, KV_HEADS, HEAD_DIM, dtype=DT, device=DEV)
     scale = HEAD_DIM**-0.5
-    backend = TritonAttentionBackend()
     cu = meta.query_start_loc
     runs = {
-        "paged Triton prefill": lambda: backend.forward(q, kv, kv, cache, meta, scale),
+        f"paged Triton prefill {tiles}": lambda b=TritonAttentionBackend(prefill_tiles=tiles): (
+            b.forward(q, kv, kv, cache, meta, scale)
+        )
+        for tiles in PREFILL_TILES
+    }
+    runs |= {
         "dense varlen_attn": lambda: varlen_attn(
             q, kv, kv, cu, cu, max(lens), max(lens), scale=scale, window_size=(-1, 0),
             **({"enable_gqa": True} if "enable_gqa" in signature(varlen_attn).parameters else {}),
@@ -161,8 +171,9 @@ def prefill_probe(cache: torch.Tensor) -> None:
         end.synchronize()
         ms = start.elapsed_time(end) / 20
         print(f"prefill {len(lens)} prompts, {t} tokens, {name}: {ms * 1e3:.0f} us per layer")
-    a, b = out.values()
-    print("  max |paged - dense| over the same keys:", (a.float() - b.float()).abs().max().item())
+    dense = out["dense varlen_attn"].float()
+    for name, o in out.items():
+        print(f"  max |{name} - dense|: {(o.float() - dense).abs().max().item():.4f}")
 
 
 def main() -> None:

@@ -167,7 +167,8 @@ def _prefill_kernel(
     PAGE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = first_seq + tl.program_id(0)
-    m_start = tl.program_id(1) * BLOCK_M
+    # the last query tiles see the most keys (causal): dispatch them first
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -257,7 +258,8 @@ class TritonAttentionBackend:
 
     Knobs for benchmarks: `num_splits` forces the decode split count (by default it follows
     `num_decode_splits` with `max_splits` and `min_programs`); `decode_block_n` and
-    `decode_stages` the decode kernel's key tile and pipeline depth.
+    `decode_stages` the decode kernel's key tile and pipeline depth; `prefill_tiles` the
+    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs.
 
     Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
     paged prefill kernel on an H100 (14 prompts, 7,625 tokens, Qwen3-0.6B heads): 249 µs per
@@ -273,12 +275,14 @@ class TritonAttentionBackend:
         min_programs: int = 256,
         decode_block_n: int | None = None,
         decode_stages: int | None = None,
+        prefill_tiles: tuple[int, int, int, int] = (64, 64, 4, 2),
     ) -> None:
         self.max_splits = max_splits
         self.num_splits = num_splits
         self.min_programs = min_programs
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
+        self.prefill_tiles = prefill_tiles
 
     def forward(
         self,
@@ -342,12 +346,12 @@ class TritonAttentionBackend:
 
         num_prefills = meta.num_seqs - nd
         if num_prefills:
-            block_m = 64 if wide else 32
+            block_m, block_n, warps, stages = self.prefill_tiles if wide else (32, 32, 4, 2)
             _prefill_kernel[(num_prefills, math.ceil(meta.max_query_len / block_m), num_heads)](
                 q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, out,
                 nd, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 meta.block_table.stride(0), *cache_strides,
-                GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_m, PAGE=page,
-                PRECISION=precision, num_warps=4, num_stages=2,
+                GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+                PRECISION=precision, num_warps=warps, num_stages=stages,
             )  # fmt: skip
         return out
