@@ -169,7 +169,7 @@ class ModelRunner:
         ]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode graphs over it."""
+        """Allocate the KV cache, capture the decode graphs over it, warm the allocator."""
         m = self.config.model
         self.kv_caches = self._allocate_kv(num_blocks)
         max_conc = num_blocks * self.block_size / m.max_model_len
@@ -191,6 +191,10 @@ class ModelRunner:
                 else f"the {self.attn_backend_name} attention backend reads device data on the host"
             )
             logger.info("CUDA graphs off (%s)", why)
+        if self.device.type == "cuda":
+            # fill the caching allocator with a full-size step's activations now: the first
+            # long prefill steps of a run otherwise cudaMalloc them, which stalls the stream
+            self.profile_run()
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:

@@ -34,8 +34,9 @@ def _gumbel_quarter(
 
 
 # The chunk counts vary with the number of rows every step: as plain (unspecialized) ints
-# they never trigger a recompile in the middle of a run.
-@triton.jit(do_not_specialize=["tiles_per_chunk", "num_chunks", "vocab_start", "vocab_end"])
+# they never trigger a recompile in the middle of a run. vocab_start / vocab_end are fixed
+# per model and rank: specialized, so the compiler knows their alignment.
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_chunks"])
 def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
     part_idx_ptr, vocab_start, vocab_end, tiles_per_chunk, num_chunks,
