@@ -1,12 +1,15 @@
 """All-reduce latency on 2 GPUs: NCCL against the symmetric-memory one-shot and two-shot
-paths (minivllm.worker.layers.symm_all_reduce), each eager and replayed in a CUDA graph.
+paths (minivllm.worker.layers.symm_all_reduce) and the Triton one-shot kernel
+(minivllm.worker.layers.triton_all_reduce), each eager and replayed in a CUDA graph.
 
     python benchmarks/allreduce_gpu.py
 
 bf16 messages from 16 KiB to 8 MiB (a TP=2 decode step of 256 sequences at hidden 4096
-all-reduces 2 MiB). Each path's result is checked against the NCCL sum, eager and after a
-graph replay. Prints µs per all-reduce, one row per size; a cell is marked BAD (wrong sum)
-or reads ERR (it raised; the errors are printed below the table).
+all-reduces 2 MiB). The Triton kernel runs twice: "triton" copies the input into its buffer,
+"triton-ip" sums a message its producer wrote straight into the buffer (`buffer_for`). Each
+path's result is checked against the NCCL sum, eager and after a graph replay. Prints µs per
+all-reduce, one row per size; a cell is marked BAD (wrong sum) or reads ERR (it raised; the
+errors are printed below the table). The whole run is killed after TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 SIZES = [16 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
-METHODS = ("nccl", "one_shot", "two_shot")
+METHODS = ("nccl", "one_shot", "two_shot", "triton", "triton_ip")
 EAGER_REPS, GRAPH_OPS, GRAPH_REPS = 200, 50, 10
 TIMEOUT_S = 110
 
@@ -49,11 +52,12 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return torch.allclose(got.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
 
 
-def measure(name: str, op, data: torch.Tensor, ref: torch.Tensor) -> list[str]:
-    """[eager µs, graph µs] as printed cells; " BAD" marks a wrong sum."""
+def measure(name: str, op, stage, data: torch.Tensor, ref: torch.Tensor) -> list[str]:
+    """[eager µs, graph µs] as printed cells; " BAD" marks a wrong sum. stage(t) returns
+    the tensor op is given, holding t's values (t itself, or a view of the op's buffer)."""
     cells = []
-    ok = close(op(data.clone()), ref)
-    x = torch.zeros_like(data)  # NCCL sums in place: zeros stay finite over many calls
+    ok = close(op(stage(data.clone())), ref)
+    x = stage(torch.zeros_like(data))  # NCCL sums in place: zeros stay finite over calls
     for _ in range(10):
         op(x)
     us = time_us(lambda: [op(x) for _ in range(EAGER_REPS)], EAGER_REPS)
@@ -86,6 +90,7 @@ def run(rank: int, port: int) -> None:
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device
     )
     from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
+    from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
 
     group = dist.group.WORLD
 
@@ -93,10 +98,23 @@ def run(rank: int, port: int) -> None:
         dist.all_reduce(x, group=group)
         return x
 
-    ops, errors = {"nccl": nccl}, []
-    for algorithm in METHODS[1:]:
+    def itself(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    # name -> (op, stage); the communicators are kept alive to the end
+    ops, comms, errors = {"nccl": (nccl, itself)}, [], []
+    for algorithm in ("one_shot", "two_shot", "triton"):
         try:
-            ops[algorithm] = SymmMemAllReduce(group, device, max(SIZES), algorithm).all_reduce
+            if algorithm == "triton":
+                comm = TritonAllReduce(group, device, max(SIZES))
+                ops["triton_ip"] = (
+                    comm.all_reduce,
+                    lambda t, comm=comm: comm.buffer_for(t.shape, t.dtype).copy_(t),
+                )
+            else:
+                comm = SymmMemAllReduce(group, device, max(SIZES), algorithm)
+            comms.append(comm)
+            ops[algorithm] = (comm.all_reduce, itself)
         except Exception as e:
             errors.append(f"{algorithm} setup: {type(e).__name__}: {e}")
     if rank == 0:
@@ -104,7 +122,7 @@ def run(rank: int, port: int) -> None:
         cells = ["size"] + [
             f"{m.replace('_', '-')} {k}" for m in METHODS for k in ("eager", "graph")
         ]
-        print("  ".join(f"{c:>14}" for c in cells), flush=True)
+        print("  ".join(f"{c:>15}" for c in cells), flush=True)
     for size in SIZES:
         gen = torch.Generator(device=device).manual_seed(1000 * rank + size)
         data = torch.randn(size // 2, generator=gen, device=device).to(torch.bfloat16)
@@ -112,17 +130,18 @@ def run(rank: int, port: int) -> None:
         cells = [f"{size >> 10} KiB"]
         for name in METHODS:
             try:
-                cells += measure(name, ops[name], data, ref) if name in ops else ["ERR", "ERR"]
+                cells += measure(name, *ops[name], data, ref) if name in ops else ["ERR", "ERR"]
             except Exception as e:
                 errors.append(f"{name} {size >> 10} KiB: {type(e).__name__}: {e}")
                 cells += ["ERR", "ERR"]
         if rank == 0:
-            print("  ".join(f"{c:>14}" for c in cells), flush=True)
+            print("  ".join(f"{c:>15}" for c in cells), flush=True)
     if rank == 0:
         print(
             f"µs per all-reduce. eager: {EAGER_REPS} back-to-back calls; graph: {GRAPH_REPS} "
-            f"replays of a graph of {GRAPH_OPS}. The symmetric-memory paths include the copy "
-            "into their buffer and write a new output; NCCL sums in place."
+            f"replays of a graph of {GRAPH_OPS}. The symmetric-memory paths write a new output "
+            "and, but for triton-ip, include the copy into their buffer; NCCL sums in place. "
+            "Eager Triton times include its Python launch."
         )
         for error in errors:
             print(f"rank 0 error: {error}")

@@ -48,13 +48,14 @@ class Worker:
             )
             group = dist.group.WORLD
             if backend == "nccl":
-                from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
+                from minivllm.worker.layers.symm_all_reduce import create_tp_all_reduce
 
                 # the largest decode message: one hidden-state row per sequence
                 row_bytes = (
                     cfg.model.hf_config["hidden_size"] * getattr(torch, cfg.model.dtype).itemsize
                 )
-                symm_all_reduce = SymmMemAllReduce.create(
+                # $MINIVLLM_TP_ALL_REDUCE picks triton | one_shot | two_shot | nccl
+                symm_all_reduce = create_tp_all_reduce(
                     group, self.device, max_bytes=cfg.scheduler.max_num_seqs * row_bytes
                 )
         self.tp = TPGroup(

@@ -1,10 +1,14 @@
 """The tensor-parallel all-reduce across 2 spawned ranks: over symmetric memory on 2 GPUs
-(sums equal torch's, eager and replayed in a CUDA graph; messages above the buffer go to
-NCCL), and over gloo on CPU, where the symmetric-memory setup declines without raising."""
+(torch.ops.symm_mem and the Triton one-shot kernel: sums equal NCCL's, eager, replayed in CUDA
+graphs and back to back; messages above the buffer go to NCCL), and over gloo on CPU, where
+every symmetric-memory setup declines without raising. On CPU the Triton kernel is also
+compiled for Hopper, to check its code without a GPU."""
 
 from __future__ import annotations
 
+import re
 import socket
+import time
 
 import pytest
 import torch
@@ -12,7 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.worker.layers.parallel_state import TPGroup
-from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
+from minivllm.worker.layers.symm_all_reduce import (
+    CHOICE_ENV,
+    CHOICES,
+    SymmMemAllReduce,
+    create_tp_all_reduce,
+)
+from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
+from minivllm.worker.ops._triton import HAS_TRITON
 
 MAX_BYTES = 64 << 10
 # (shape, dtype, whether the symmetric-memory path takes it)
@@ -87,6 +98,9 @@ def _gloo_rank(rank: int, port: int) -> None:
         group = dist.group.WORLD
         symm = SymmMemAllReduce.create(group, torch.device("cpu"), MAX_BYTES)
         assert symm is None
+        assert TritonAllReduce.create(group, torch.device("cpu"), MAX_BYTES) is None
+        for choice in CHOICES:
+            assert create_tp_all_reduce(group, torch.device("cpu"), MAX_BYTES, choice) is None
         tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=symm)
         cpu = torch.device("cpu")
         for i in (0, 2, 3):
@@ -99,3 +113,177 @@ def _gloo_rank(rank: int, port: int) -> None:
 
 def test_tp_group_over_gloo_declines_symmetric_memory_and_still_sums() -> None:
     mp.spawn(_gloo_rank, args=(_free_port(),), nprocs=2, join=True)
+
+
+def test_an_unknown_all_reduce_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match="triton"):
+        create_tp_all_reduce(None, torch.device("cpu"), MAX_BYTES)
+
+
+# The Triton one-shot path. Its buffer holds more 16 KiB slices than an H100 or H200 has SMs,
+# so the largest message makes every program loop.
+TRITON_MAX_BYTES = (5 << 20) + (48 << 10)
+# (shape, dtype, whether the Triton path takes it)
+TRITON_CASES = [
+    ((1, 4096), torch.bfloat16, True),  # 8 KiB: one program
+    ((3, 8), torch.bfloat16, True),  # 48 bytes
+    ((64, 4096), torch.bfloat16, True),  # 512 KiB: 32 programs
+    ((7, 1000), torch.float32, True),  # a slice and a part
+    ((2, 64), torch.float16, True),
+    ((TRITON_MAX_BYTES // 2,), torch.bfloat16, True),  # exactly the buffer
+    ((TRITON_MAX_BYTES // 2 + 8,), torch.bfloat16, False),  # above the buffer: NCCL
+    ((3, 5), torch.bfloat16, False),  # 30 bytes, not 16-byte aligned: NCCL
+]
+TAKEN = [i for i, (_, _, takes) in enumerate(TRITON_CASES) if takes]
+TRITON_TEST_TIMEOUT_S = 240
+
+
+def _triton_input(rank: int, case: int, seed: int, device: torch.device) -> torch.Tensor:
+    shape, dtype, _ = TRITON_CASES[case]
+    gen = torch.Generator().manual_seed(100_000 * seed + 10 * case + rank)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def _nccl_sum(x: torch.Tensor) -> torch.Tensor:
+    ref = x.clone()
+    dist.all_reduce(ref)
+    return ref
+
+
+def _triton_rank(rank: int, port: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("nccl", init_method=url, rank=rank, world_size=2, device_id=device)
+    try:
+        group = dist.group.WORLD
+        comm = TritonAllReduce(group, device, TRITON_MAX_BYTES)  # raises with a reason
+        chosen = create_tp_all_reduce(group, device, MAX_BYTES, "triton")
+        assert isinstance(chosen, TritonAllReduce)  # kept alive: buffers are never freed
+        tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=comm)
+
+        # eager: copied in, and written straight into the buffer
+        for i, (shape, dtype, takes) in enumerate(TRITON_CASES):
+            x = _triton_input(rank, i, 0, device)
+            assert comm.fits(x) == takes, TRITON_CASES[i]
+            ref = _nccl_sum(x)
+            torch.testing.assert_close(tp.all_reduce(x.clone()), ref)
+            if takes:
+                x_before = x.clone()
+                torch.testing.assert_close(comm.all_reduce(x), ref)
+                assert torch.equal(x, x_before)  # the input is left as it was
+                staged = comm.buffer_for(shape, dtype)
+                staged.copy_(x)
+                torch.testing.assert_close(comm.all_reduce(staged), ref)
+                assert torch.equal(staged, x)
+
+        # a CUDA graph of both paths, replayed over fresh inputs, with eager calls between
+        static = {i: _triton_input(rank, i, 0, device) for i in TAKEN}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x in static.values():
+                comm.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            copied = {i: comm.all_reduce(x) for i, x in static.items()}
+            in_place = {}
+            for i, x in static.items():
+                staged = comm.buffer_for(x.shape, x.dtype)
+                staged.copy_(x)
+                in_place[i] = comm.all_reduce(staged)
+        for seed in (1, 2, 3):
+            for i, x in static.items():
+                x.copy_(_triton_input(rank, i, seed, device))
+            graph.replay()
+            for i, x in static.items():
+                ref = _nccl_sum(x)
+                torch.testing.assert_close(copied[i], ref, msg=f"replay {seed}, case {i}")
+                torch.testing.assert_close(in_place[i], ref, msg=f"replay {seed}, case {i}")
+            between = _triton_input(rank, 2, seed, device)
+            torch.testing.assert_close(comm.all_reduce(between), _nccl_sum(between))
+
+        # 100 calls back to back: sizes (so grids) and paths change from call to call, and
+        # rank 0 sometimes starts late, so either rank may be the one that waits
+        inputs, outputs = [], []
+        for n in range(100):
+            i = TAKEN[n % len(TAKEN)]
+            x = _triton_input(rank, i, 10 + n, device)
+            if rank == 0 and n % 7 == 0:
+                torch.cuda._sleep(20_000 * (1 + n % 5))
+            if n % 3 == 0:
+                staged = comm.buffer_for(x.shape, x.dtype)
+                staged.copy_(x)
+                outputs.append(comm.all_reduce(staged))
+            else:
+                outputs.append(comm.all_reduce(x))
+            inputs.append(x)
+        for n, (x, out) in enumerate(zip(inputs, outputs, strict=True)):
+            torch.testing.assert_close(out, _nccl_sum(x), msg=f"back-to-back call {n}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_triton_all_reduce_sums_like_nccl_eager_in_graphs_and_back_to_back() -> None:
+    ranks = mp.spawn(_triton_rank, args=(_free_port(),), nprocs=2, join=False)
+    deadline = time.monotonic() + TRITON_TEST_TIMEOUT_S
+    while not ranks.join(timeout=1.0):  # raises, with the rank's traceback, if one failed
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the ranks hung for {TRITON_TEST_TIMEOUT_S} s (a barrier never met)")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    "dtype, world, in_place",
+    [("bf16", 2, False), ("bf16", 2, True), ("fp32", 4, False), ("fp16", 8, True)],
+)
+def test_triton_all_reduce_kernel_compiles_for_hopper(dtype: str, world: int, in_place: bool):
+    """No GPU needed: the kernel as launched for sm_90 assembles, reads every peer with 16-byte
+    loads that skip L1, and meets the peers once (copy-in) or twice (in place)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minivllm.worker.layers import triton_all_reduce as tar
+
+    size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    signature = {
+        "x_ptr": f"*{dtype}",
+        "out_ptr": f"*{dtype}",
+        "bufs": (f"*{dtype}",) * world,
+        "flag_table": "i64",
+        "my_flags": "i64",
+        "epochs": "*i32",
+        "num_vectors": "i32",
+    }
+    constants = {
+        "RANK": world - 1,
+        "WORLD": world,
+        "MAX_BLOCKS": 132,
+        "REGION": (2 << 20) // size,
+        "SLICE": tar.SLICE_BYTES // size,
+        "VECTOR": 16 // size,
+        "IN_PLACE": in_place,
+    }
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    aligned = [["tt.divisibility", 16]]  # what the launcher finds: every tensor 16-byte aligned
+    attrs = {(0,): aligned, (1,): aligned, **{(2, r): aligned for r in range(world)}}
+    kernel = triton.compile(
+        ASTSource(tar._one_shot_kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": tar.NUM_WARPS},
+    )
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"]
+    vectors_per_thread = tar.SLICE_BYTES // (tar.NUM_WARPS * 32 * 16)
+    assert len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)) == (world - 1) * vectors_per_thread
+    meetings = 2 if in_place else 1
+    assert ptx.count("st.release.sys.global.u32") == meetings
+    assert ptx.count("ld.acquire.sys.global.u32") == meetings
+    assert "multimem" not in ptx

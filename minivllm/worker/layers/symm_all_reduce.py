@@ -20,19 +20,46 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MINIVLLM_DISABLE_SYMM_ALL_REDUCE"
+CHOICE_ENV = "MINIVLLM_TP_ALL_REDUCE"  # which path sums a decode step's messages
+CHOICES = ("triton", "one_shot", "two_shot", "nccl")
+DEFAULT_CHOICE = "one_shot"
 ALGORITHMS = ("one_shot", "two_shot")
 _DTYPES = (torch.bfloat16, torch.float32)  # the only dtypes the symm_mem kernels are built for
 _ALIGN = 16  # bytes; the kernels' vector width, which input and buffer view must share
 
 T = TypeVar("T")
+
+
+def create_tp_all_reduce(
+    group: Any, device: torch.device, max_bytes: int, choice: str | None = None
+) -> SymmMemAllReduce | TritonAllReduce | None:
+    """The small-message all-reduce that `choice` (default: $MINIVLLM_TP_ALL_REDUCE, else
+    one_shot) names: "triton" (triton_all_reduce.py), "one_shot" or "two_shot" (the
+    torch.ops.symm_mem kernels), or "nccl" (None: everything goes to NCCL). None as well,
+    after one log line, where the chosen one cannot be set up. Collective."""
+    choice = choice or os.environ.get(CHOICE_ENV) or DEFAULT_CHOICE
+    if choice not in CHOICES:
+        raise ValueError(f"{CHOICE_ENV} must be one of {CHOICES}, got {choice!r}")
+    if choice == "nccl":
+        if dist.get_rank(group) == 0:
+            logger.info("TP all-reduce on NCCL (%s=nccl)", CHOICE_ENV)
+        return None
+    if choice == "triton":
+        from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
+
+        return TritonAllReduce.create(group, device, max_bytes)
+    return SymmMemAllReduce.create(group, device, max_bytes, choice)
 
 
 class SymmMemUnavailable(RuntimeError):
@@ -80,7 +107,7 @@ class SymmMemAllReduce:
         devices = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=self.device)
         mine = torch.tensor([index], dtype=torch.int32, device=self.device)
         dist.all_gather_into_tensor(devices, mine, group=group)
-        self._on_every_rank(lambda: _check_peer_access(index, devices.tolist()))
+        self._on_every_rank(lambda: check_peer_access(index, devices.tolist()))
         self.buffer = self._on_every_rank(
             lambda: symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=self.device)
         )
@@ -142,21 +169,26 @@ class SymmMemAllReduce:
             raise RuntimeError("a test all-reduce returned a wrong sum")
 
     def _on_every_rank(self, step: Callable[[], T]) -> T:
-        """Run step here, then agree with the other ranks: raise everywhere if it failed
-        anywhere, so all ranks go on to the next (possibly collective) step or none does."""
-        error: Exception | None = None
-        result: Any = None
-        try:
-            result = step()
-        except Exception as e:
-            error = e
-        ok = torch.tensor([error is None], dtype=torch.int32, device=self.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is not None:
-            raise SymmMemUnavailable(f"{type(error).__name__}: {error}") from error
-        if not ok.item():
-            raise SymmMemUnavailable("symmetric-memory setup failed on another rank")
-        return result
+        return on_every_rank(self.group, self.device, step)
+
+
+def on_every_rank(group: Any, device: torch.device, step: Callable[[], T]) -> T:
+    """Run step here, then agree with the other ranks: raise SymmMemUnavailable everywhere
+    if it failed anywhere, so all ranks go on to the next (possibly collective) step or none
+    does."""
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = step()
+    except Exception as e:
+        error = e
+    ok = torch.tensor([error is None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if error is not None:
+        raise SymmMemUnavailable(f"{type(error).__name__}: {error}") from error
+    if not ok.item():
+        raise SymmMemUnavailable("symmetric-memory setup failed on another rank")
+    return result
 
 
 def _problem_on_every_rank(group: Any, device: torch.device, algorithm: str) -> str | None:
@@ -179,7 +211,7 @@ def _problem_on_every_rank(group: Any, device: torch.device, algorithm: str) -> 
     return None
 
 
-def _check_peer_access(index: int, devices: list[int]) -> None:
+def check_peer_access(index: int, devices: list[int]) -> None:
     """Every other rank's GPU must be another device that this one can reach directly."""
     if devices.count(index) > 1:
         raise RuntimeError(f"two ranks share GPU {index}")

@@ -1,0 +1,341 @@
+"""One-shot all-reduce in Triton over symmetric (peer-mapped) GPU memory, for the messages of
+a decode step on 2-8 GPUs of one host.
+
+Every rank owns one symmetric buffer; its peers have it mapped and read it directly. The
+message is cut into 16 KiB slices, and slice s always belongs to program s % max_blocks (at
+most one program per SM, so a launch never waits for its own programs to finish). A program:
+
+  1. copies its slices of the local input into this rank's buffer (skipped when the input
+     already lives there: the view `buffer_for` hands out);
+  2. meets the same program on every peer: one thread per peer stores the program's epoch
+     into that peer's flag for (program, this rank) with release semantics at system scope,
+     then spins with acquire loads on its own flag for (program, that peer);
+  3. loads its slices from every rank's buffer (16-byte vector loads), sums them in fp32 in
+     rank order (so every rank gets the same bits) and writes the sum to a new tensor;
+  4. only when the input was read in place: meets the peers once more, so that no rank
+     returns, and lets its producer overwrite the buffer, before the peers have read it.
+
+Epochs: each program keeps a counter in device memory (`epochs`, one per program), raised by
+one per call that runs it. All ranks make the same calls with the same shapes, so program b's
+counter is equal on every rank, and a flag that has reached the caller's epoch means the peer
+has arrived. A peer may be one call ahead (it may pass this program's barrier and, in copy-in
+mode, enter its next call), so a waiter accepts any flag >= its epoch (32-bit wraparound
+compare); it can never be two calls ahead, as that needs this rank's next signal. Nothing is
+reset and the host keeps no count, so back-to-back calls, eager calls between CUDA graph
+replays and several graphs replayed in any order all work.
+
+Buffer reuse: the copy-in path needs no second barrier, because it alternates between two
+staging regions by the parity of the program's epoch. A rank enters a call with the same
+parity for a slice only two calls later (the slice's program is fixed); the call between ends
+on this rank only after the peer's same program signalled in it, i.e. after the peer's
+previous kernel, the one that read the region, had finished. The in-place path writes a third
+region, which the producer fills before the kernel starts; there the second barrier is what
+keeps the producer of the next call from overwriting data a peer is still reading.
+
+Contract: every rank calls `all_reduce` in the same order with the same shapes and dtypes, on
+one stream (or inside CUDA graphs captured from one stream). Launches never allocate beyond
+the output tensor and never synchronise with the host; the grid depends only on the shape.
+NVLink multicast (multimem) is never used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from minivllm.worker.layers.symm_all_reduce import (
+    DISABLE_ENV,
+    SymmMemUnavailable,
+    check_peer_access,
+    on_every_rank,
+)
+from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_WORLD_SIZE = 8
+SLICE_BYTES = 16 << 10  # what one program sums per round: 512 threads x 2 vectors per rank
+NUM_WARPS = 16
+_VECTOR = 16  # bytes per load and store; inputs, outputs and regions are aligned to it
+_FLAG_ALIGN = 4096  # the flags lead the buffer; the data regions start on this boundary
+
+
+@triton.jit
+def _meet_peers(flag_table, my_flags, row, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Signal flags[row + RANK] = epoch on every peer, wait until flags[row + peer] >= epoch
+    here for every peer; then the whole program goes on (the caller's debug_barrier)."""
+    tl.inline_asm_elementwise(
+        """
+        {
+        .reg .u32 %t, %v;
+        .reg .u64 %a;
+        .reg .pred %p;
+        mov.u32 %t, %tid.x;
+        setp.ge.u32 %p, %t, $5;
+        @%p bra skip;
+        setp.eq.u32 %p, %t, $6;
+        @%p bra skip;
+        mul.wide.u32 %a, %t, 8;
+        add.u64 %a, %a, $1;
+        ld.global.u64 %a, [%a];
+        add.u64 %a, %a, $2;
+        st.release.sys.global.u32 [%a], $4;
+        mul.wide.u32 %a, %t, 4;
+        add.u64 %a, %a, $3;
+        wait:
+        ld.acquire.sys.global.u32 %v, [%a];
+        sub.s32 %v, %v, $4;
+        setp.lt.s32 %p, %v, 0;
+        @%p bra wait;
+        skip:
+        mov.u32 $0, 0;
+        }
+        """,
+        "=r,l,l,l,r,r,r",
+        [
+            flag_table.to(tl.int64),
+            (row + RANK).to(tl.int64) * 4,  # byte offset of this rank's flag on the peer
+            my_flags.to(tl.int64) + row.to(tl.int64) * 4,  # this program's flags here
+            epoch,
+            epoch * 0 + WORLD,
+            epoch * 0 + RANK,
+        ],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["num_vectors"])
+def _one_shot_kernel(
+    x_ptr,  # this rank's input; in place: the start of this rank's region 0
+    out_ptr,
+    bufs,  # WORLD tensors: each rank's data area (regions 0, 1, 2 of REGION elements)
+    flag_table,  # device address of WORLD addresses: each rank's flags
+    my_flags,  # device address of this rank's flags
+    epochs,  # int32[MAX_BLOCKS]: calls run so far, per program (this rank only)
+    num_vectors,  # 16-byte vectors in the message
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
+    REGION: tl.constexpr,
+    SLICE: tl.constexpr,
+    VECTOR: tl.constexpr,  # elements per 16 bytes
+    IN_PLACE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(epochs + pid) + 1
+    numel = num_vectors * VECTOR
+    num_slices = tl.cdiv(numel, SLICE)
+    cols = tl.arange(0, SLICE)
+    if IN_PLACE:
+        region = 0
+    else:
+        region = (1 + (epoch & 1)) * REGION
+        for s in range(pid, num_slices, MAX_BLOCKS):
+            offs = s * SLICE + cols
+            mask = offs < numel
+            tl.store(bufs[RANK] + region + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        tl.debug_barrier()  # every thread's copy precedes the release below
+    _meet_peers(flag_table, my_flags, pid * WORLD, epoch, RANK, WORLD)
+    tl.debug_barrier()  # the acquiring threads' view passes to the whole program
+    for s in range(pid, num_slices, MAX_BLOCKS):
+        offs = s * SLICE + cols
+        mask = offs < numel
+        acc = tl.zeros([SLICE], tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            else:  # .cg: straight from the peer, never a stale L1 line
+                peer = tl.load(bufs[r] + region + offs, mask=mask, cache_modifier=".cg")
+                acc += peer.to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if IN_PLACE:
+        tl.debug_barrier()  # every thread's peer loads precede the release below
+        _meet_peers(flag_table, my_flags, (MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
+    tl.store(epochs + pid, epoch)
+
+
+class TritonAllReduce:
+    """Sums tensors of at most `max_bytes` over `group` with the one-shot Triton kernel.
+
+    The constructor is collective: every rank of the group calls it, and if any rank cannot
+    set it up, every rank raises SymmMemUnavailable. `all_reduce` takes only tensors `fits`
+    accepts and, like any collective, must be called by every rank in the same order.
+    To skip the copy into the symmetric buffer, write the message into `buffer_for(shape,
+    dtype)` and pass that view to `all_reduce`.
+    """
+
+    algorithm = "triton"
+
+    def __init__(self, group: Any, device: torch.device, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        problem = _problem_on_every_rank(group, device)
+        if problem:
+            raise SymmMemUnavailable(problem)
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.max_bytes = -(-max_bytes // _VECTOR) * _VECTOR
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        # peer loads and stores only, never NVLink multicast (see symm_all_reduce.py); read
+        # at allocation and rendezvous time, so set before either
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        # every rank's GPU and SM count (programs run one per SM at most, the same on all)
+        facts = self._gather(index, torch.cuda.get_device_properties(index).multi_processor_count)
+        self._agree(lambda: check_peer_access(index, [f[0] for f in facts]))
+        self.max_blocks = min(f[1] for f in facts)
+        flag_bytes = -(-2 * self.max_blocks * self.world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
+        total = flag_bytes + 3 * self.max_bytes
+        self.buffer = self._agree(
+            lambda: symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        )
+        self._agree(lambda: self._zero_flags(flag_bytes))
+        handle = self._agree(lambda: symm_mem.rendezvous(self.buffer, group.group_name))
+        self._handle = handle  # keeps the peer mappings alive
+        # handles address the allocation, which may hold the buffer at an offset (a pool)
+        offset = self._agree(lambda: self.buffer.data_ptr() - handle.buffer_ptrs[self.rank])
+        offsets = [f[0] for f in self._gather(offset)]
+        peers = self._agree(lambda: self._map_peers(handle, offsets, total))
+        # each rank's flags lead its buffer; then its data: regions 0 (in place), 1 and 2
+        self._flag_table = torch.tensor(
+            [p.data_ptr() for p in peers], dtype=torch.int64, device=self.device
+        )
+        self._data = {dtype: tuple(p[flag_bytes:].view(dtype) for p in peers) for dtype in DTYPES}
+        self._epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
+        self._agree(self._check_sum)
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, max_bytes: int) -> TritonAllReduce | None:
+        """The communicator, or None after one log line saying why (every rank alike)."""
+        rank = dist.get_rank(group)
+        if os.environ.get(DISABLE_ENV) == "1":
+            if rank == 0:
+                logger.info("symmetric-memory all-reduce disabled by %s=1", DISABLE_ENV)
+            return None
+        try:
+            comm = cls(group, device, max_bytes)
+        except ValueError:
+            raise
+        except Exception as e:  # whatever the cause, the group still works: never fail for it
+            backend = dist.get_backend(group)
+            logger.warning("rank %d: all-reduce stays on %s: %s", rank, backend, e)
+            return None
+        if rank == 0:
+            logger.info(
+                "Triton one-shot all-reduce for messages up to %.2f MiB, NCCL above",
+                comm.max_bytes / 2**20,
+            )
+        return comm
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether all_reduce takes x: small enough, a dtype it has, 16-byte aligned."""
+        nbytes = x.numel() * x.element_size()
+        return (
+            0 < nbytes <= self.max_bytes
+            and nbytes % _VECTOR == 0
+            and x.dtype in DTYPES
+            and x.device == self.device
+            and x.is_contiguous()
+            and x.data_ptr() % _VECTOR == 0
+        )
+
+    def buffer_for(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A view of this rank's symmetric buffer to write the next message into; passing it
+        to all_reduce skips the copy. Valid until that call; the same view every time."""
+        numel = math.prod(shape)
+        if dtype not in DTYPES or numel * dtype.itemsize > self.max_bytes:
+            raise ValueError(f"no room for {tuple(shape)} {dtype} (up to {self.max_bytes} bytes)")
+        return self._data[dtype][self.rank][:numel].view(shape)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the group, in a new tensor; x is left as it was."""
+        data = self._data[x.dtype]
+        out = torch.empty_like(x)
+        nbytes = x.numel() * x.element_size()
+        grid = (min(-(-nbytes // SLICE_BYTES), self.max_blocks),)
+        _one_shot_kernel[grid](
+            x,
+            out,
+            data,
+            self._flag_table.data_ptr(),
+            self.buffer.data_ptr(),
+            self._epochs,
+            nbytes // _VECTOR,
+            RANK=self.rank,
+            WORLD=self.world_size,
+            MAX_BLOCKS=self.max_blocks,
+            REGION=self.max_bytes // x.element_size(),
+            SLICE=SLICE_BYTES // x.element_size(),
+            VECTOR=_VECTOR // x.element_size(),
+            IN_PLACE=x.data_ptr() == data[self.rank].data_ptr(),
+            num_warps=NUM_WARPS,
+        )
+        return out
+
+    def _zero_flags(self, flag_bytes: int) -> None:
+        self.buffer[:flag_bytes].zero_()
+        torch.cuda.synchronize(self.device)  # done before any peer can signal into them
+
+    def _map_peers(self, handle: Any, offsets: list[int], nbytes: int) -> list[torch.Tensor]:
+        """Every rank's buffer as mapped here, through this handle; the buffers must sit at the
+        same offset in every rank's allocation."""
+        if handle.rank != self.rank or handle.world_size != self.world_size:
+            raise RuntimeError("the symmetric-memory handle disagrees with the process group")
+        if len(set(offsets)) != 1 or offsets[0] < 0:
+            raise RuntimeError(f"the buffers sit at different offsets: {offsets}")
+        peers = [
+            handle.get_buffer(r, (nbytes,), torch.uint8, offsets[0]) for r in range(len(offsets))
+        ]
+        if peers[self.rank].data_ptr() != self.buffer.data_ptr():
+            raise RuntimeError("the handle does not map this buffer where it lies")
+        return peers
+
+    def _check_sum(self) -> None:
+        size = self.world_size
+        for dtype in DTYPES:
+            x = torch.full((SLICE_BYTES // dtype.itemsize + 64,), self.rank + 1.0, dtype=dtype)
+            staged = self.buffer_for(x.shape, dtype)
+            for got in (self.all_reduce(x.to(self.device)), self.all_reduce(staged.copy_(x))):
+                if not bool((got == size * (size + 1) / 2).all()):
+                    raise RuntimeError(f"a test all-reduce of {dtype} returned a wrong sum")
+
+    def _agree(self, step: Callable[[], T]) -> T:
+        return on_every_rank(self.group, self.device, step)
+
+    def _gather(self, *values: int) -> list[list[int]]:
+        """Every rank's values, in rank order."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        return every.view(self.world_size, len(values)).tolist()
+
+
+def _problem_on_every_rank(group: Any, device: torch.device) -> str | None:
+    """A reason this cannot work that every rank finds alike (no collective)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"no CUDA device (device {device})"
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend:
+        return f"the process group's backend is {backend}, not NCCL"
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if not 2 <= dist.get_world_size(group) <= MAX_WORLD_SIZE:
+        return f"the Triton all-reduce serves 2 to {MAX_WORLD_SIZE} ranks"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"this torch build has no symmetric memory ({e})"
+    return None
