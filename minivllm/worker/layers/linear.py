@@ -10,9 +10,9 @@ copies this rank's slice of a checkpoint tensor into it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minivllm.worker.layers import ops
 from minivllm.worker.layers.parallel_state import TPGroup, divide
 from minivllm.worker.layers.weights import Loaded, copy_checked, default_weight_loader, narrow
 
@@ -55,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, narrow(loaded, 0, self.tp.rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -164,5 +164,5 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
