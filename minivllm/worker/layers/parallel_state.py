@@ -9,6 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
+    from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
-    symm_all_reduce: SymmMemAllReduce | None = None
+    symm_all_reduce: SymmMemAllReduce | TritonAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "MINIVLLM_DISABLE_SYMM_ALL_REDUCE"
 CHOICE_ENV = "MINIVLLM_TP_ALL_REDUCE"  # which path sums a decode step's messages
 CHOICES = ("triton", "one_shot", "two_shot", "nccl")
-DEFAULT_CHOICE = "one_shot"
+# measured on 2 x H200 (NVLink), 2 MiB bf16 inside a CUDA graph: triton 11.0 µs, one_shot
+# 21.3, two_shot 18.9, NCCL 37.9; Qwen3-8B geometry at TP=2: 15,227 against 14,514 tok/s
+DEFAULT_CHOICE = "triton"
 ALGORITHMS = ("one_shot", "two_shot")
 _DTYPES = (torch.bfloat16, torch.float32)  # the only dtypes the symm_mem kernels are built for
 _ALIGN = 16  # bytes; the kernels' vector width, which input and buffer view must share
@@ -45,7 +47,7 @@ def create_tp_all_reduce(
     group: Any, device: torch.device, max_bytes: int, choice: str | None = None
 ) -> SymmMemAllReduce | TritonAllReduce | None:
     """The small-message all-reduce that `choice` (default: $MINIVLLM_TP_ALL_REDUCE, else
-    one_shot) names: "triton" (triton_all_reduce.py), "one_shot" or "two_shot" (the
+    triton) names: "triton" (triton_all_reduce.py), "one_shot" or "two_shot" (the
     torch.ops.symm_mem kernels), or "nccl" (None: everything goes to NCCL). None as well,
     after one log line, where the chosen one cannot be set up. Collective."""
     choice = choice or os.environ.get(CHOICE_ENV) or DEFAULT_CHOICE
