@@ -88,7 +88,18 @@ def _gpu_rank(rank: int, port: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_symm_all_reduce_sums_like_torch_eager_and_in_graphs() -> None:
-    mp.spawn(_gpu_rank, args=(_free_port(),), nprocs=2, join=True)
+    _join_or_fail(mp.spawn(_gpu_rank, args=(_free_port(),), nprocs=2, join=False), 120)
+
+
+def _join_or_fail(ranks, timeout_s: float) -> None:
+    """Wait for spawned ranks; kill them and fail (instead of hanging the suite) past the
+    deadline. `join` raises with a rank's traceback if one failed."""
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the ranks hung for {timeout_s} s (a collective never completed)")
 
 
 def _gloo_rank(rank: int, port: int) -> None:
@@ -230,12 +241,7 @@ def _triton_rank(rank: int, port: int) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_triton_all_reduce_sums_like_nccl_eager_in_graphs_and_back_to_back() -> None:
     ranks = mp.spawn(_triton_rank, args=(_free_port(),), nprocs=2, join=False)
-    deadline = time.monotonic() + TRITON_TEST_TIMEOUT_S
-    while not ranks.join(timeout=1.0):  # raises, with the rank's traceback, if one failed
-        if time.monotonic() > deadline:
-            for p in ranks.processes:
-                p.kill()
-            pytest.fail(f"the ranks hung for {TRITON_TEST_TIMEOUT_S} s (a barrier never met)")
+    _join_or_fail(ranks, TRITON_TEST_TIMEOUT_S)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
