@@ -6,16 +6,10 @@ be set before triton is imported); on a GPU through `ops.linear`, as the layers 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 
 def check_gemv(device: str, dtype: torch.dtype) -> None:
@@ -36,13 +30,9 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         gemv(torch.ones(5, 512), torch.ones(8, 512), GemvConfig(4, 256, 4, 2))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_gemv_interpreted() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 @pytest.mark.gpu

@@ -8,16 +8,10 @@ interpreter in a subprocess (TRITON_INTERPRET must be set before triton is impor
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 
 def check_shards(device: str, vocab: int = 10_000, rows: int = 6) -> None:
@@ -46,13 +40,9 @@ def check_shards(device: str, vocab: int = 10_000, rows: int = 6) -> None:
         assert torch.equal(picked, whole), (tp, picked.tolist(), whole.tolist())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_sample_shard_interpreted() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 @pytest.mark.gpu

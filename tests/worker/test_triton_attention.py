@@ -6,18 +6,13 @@ interpreter in a subprocess, since TRITON_INTERPRET must be set before triton is
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 # name -> (seqs as (query_len, seq_len), num_heads, num_kv_heads, head_dim, block_size, splits)
 CASES: dict[str, tuple] = {
@@ -140,7 +135,7 @@ def check_case(name: str, device: str, dtype: torch.dtype, kv_stored: bool = Fal
         )
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize(
     "names",
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
@@ -149,11 +144,7 @@ def check_case(name: str, device: str, dtype: torch.dtype, kv_stored: bool = Fal
     ids=["decode", "prefill", "kv_stored"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__, *names], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__, *names)
 
 
 @pytest.mark.gpu

@@ -6,12 +6,8 @@ under the Triton interpreter in a subprocess. The torch paths are also checked w
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +20,7 @@ from minivllm.worker.ops.norm import (
     rms_norm,
     rms_norm_torch,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 
 def check_norm_and_activation(device: str, dtype: torch.dtype) -> None:
@@ -215,18 +209,10 @@ def test_llama3_rope_matches_transformers() -> None:
     torch.testing.assert_close(cache[pos], torch.cat([freqs.cos(), freqs.sin()], -1))
 
 
-def _interpret(*checks: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__, *checks], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("checks", [["norm", "rope"], ["rope_kv_store"], ["sampler"]])
 def test_triton_ops_interpreted(checks: list[str]) -> None:
-    _interpret(*checks)
+    run_interpreted(__file__, *checks)
 
 
 @pytest.mark.gpu
