@@ -19,6 +19,7 @@ import sys
 from inspect import signature
 
 import torch
+from graph_timing import graph_replay_ms
 from torch.nn.attention.varlen import varlen_attn
 
 from minivllm.frontend.bench.workloads import reference_workload
@@ -73,22 +74,6 @@ def meta_for(ctx: list[int], q_lens: list[int], num_decodes: int) -> AttentionMe
     )
 
 
-def graph_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def decode_probe(cache: torch.Tensor) -> None:
     w = reference_workload()
     prompts = [len(p) for p in w.prompts]
@@ -117,7 +102,7 @@ def decode_probe(cache: torch.Tensor) -> None:
                 for _ in range(LAYERS):
                     backend.forward(q, kv, kv, cache, m, scale)
 
-            ms = graph_ms(layers) / LAYERS
+            ms = graph_replay_ms(layers, reps=5) / LAYERS
             totals[name] += ms * LAYERS * 50 / 1e3
             row.append(f"{ms * 1e3:8.1f} us {gbytes / ms:6.2f} TB/s")
         print(f"{s:>5} {n:>5} {gbytes:6.3f} | " + " | ".join(f"{r:>22}" for r in row))

@@ -13,6 +13,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_replay_ms
 
 from minivllm.worker.ops.gemv import GemvConfig, gemv, gemv_fits
 
@@ -25,20 +26,9 @@ SHAPES = {
 LAYERS = 28
 
 
-def graph_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * LAYERS)
+def graph_us(fn) -> float:
+    """µs per call: `fn` makes one call per layer."""
+    return graph_replay_ms(fn, reps=10) * 1e3 / LAYERS
 
 
 def main() -> None:
