@@ -121,26 +121,11 @@ class SymmMemAllReduce:
         cls, group: Any, device: torch.device, max_bytes: int, algorithm: str = "one_shot"
     ) -> SymmMemAllReduce | None:
         """The communicator, or None after one log line saying why (every rank alike)."""
-        rank = dist.get_rank(group)
-        if os.environ.get(DISABLE_ENV) == "1":
-            if rank == 0:
-                logger.info("symmetric-memory all-reduce disabled by %s=1", DISABLE_ENV)
-            return None
-        try:
-            comm = cls(group, device, max_bytes, algorithm)
-        except ValueError:
-            raise
-        except Exception as e:  # whatever the cause, the group still works: never fail for it
-            backend = dist.get_backend(group)
-            logger.warning("rank %d: all-reduce stays on %s: %s", rank, backend, e)
-            return None
-        if rank == 0:
-            logger.info(
-                "symmetric-memory %s all-reduce for messages up to %.2f MiB, NCCL above",
-                algorithm.replace("_", "-"),
-                comm.max_bytes / 2**20,
-            )
-        return comm
+        return create_or_none(
+            lambda: cls(group, device, max_bytes, algorithm),
+            group,
+            f"symmetric-memory {algorithm.replace('_', '-')}",
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether all_reduce takes x: small enough, a dtype the kernels have, aligned."""
@@ -172,6 +157,32 @@ class SymmMemAllReduce:
 
     def _on_every_rank(self, step: Callable[[], T]) -> T:
         return on_every_rank(self.group, self.device, step)
+
+
+def create_or_none(make: Callable[[], T], group: Any, name: str) -> T | None:
+    """`make()` (a collective communicator constructor), or None after one log line saying
+    why: disabled by DISABLE_ENV, or any setup failure (the group still works on NCCL, so
+    the engine never fails for it). A ValueError (bad arguments) still raises."""
+    rank = dist.get_rank(group)
+    if os.environ.get(DISABLE_ENV) == "1":
+        if rank == 0:
+            logger.info("symmetric-memory all-reduce disabled by %s=1", DISABLE_ENV)
+        return None
+    try:
+        comm = make()
+    except ValueError:
+        raise
+    except Exception as e:  # whatever the cause, the group still works: never fail for it
+        backend = dist.get_backend(group)
+        logger.warning("rank %d: all-reduce stays on %s: %s", rank, backend, e)
+        return None
+    if rank == 0:
+        logger.info(
+            "%s all-reduce for messages up to %.2f MiB, NCCL above",
+            name,
+            comm.max_bytes / 2**20,
+        )
+    return comm
 
 
 def on_every_rank(group: Any, device: torch.device, step: Callable[[], T]) -> T:

@@ -40,7 +40,6 @@ NVLink multicast (multimem) is never used.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable
@@ -50,14 +49,13 @@ import torch
 import torch.distributed as dist
 
 from minivllm.worker.layers.symm_all_reduce import (
-    DISABLE_ENV,
     SymmMemUnavailable,
     check_peer_access,
+    create_or_none,
     on_every_rank,
 )
 from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -220,25 +218,7 @@ class TritonAllReduce:
     @classmethod
     def create(cls, group: Any, device: torch.device, max_bytes: int) -> TritonAllReduce | None:
         """The communicator, or None after one log line saying why (every rank alike)."""
-        rank = dist.get_rank(group)
-        if os.environ.get(DISABLE_ENV) == "1":
-            if rank == 0:
-                logger.info("symmetric-memory all-reduce disabled by %s=1", DISABLE_ENV)
-            return None
-        try:
-            comm = cls(group, device, max_bytes)
-        except ValueError:
-            raise
-        except Exception as e:  # whatever the cause, the group still works: never fail for it
-            backend = dist.get_backend(group)
-            logger.warning("rank %d: all-reduce stays on %s: %s", rank, backend, e)
-            return None
-        if rank == 0:
-            logger.info(
-                "Triton one-shot all-reduce for messages up to %.2f MiB, NCCL above",
-                comm.max_bytes / 2**20,
-            )
-        return comm
+        return create_or_none(lambda: cls(group, device, max_bytes), group, "Triton one-shot")
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether all_reduce takes x: small enough, a dtype it has, 16-byte aligned."""
