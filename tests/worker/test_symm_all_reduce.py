@@ -6,9 +6,11 @@ compiled for Hopper, to check its code without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,12 +56,21 @@ def _expected(case: int, seed: int, device: torch.device) -> torch.Tensor:
     return (parts[0] + parts[1]).to(CASES[case][1])
 
 
-def _gpu_rank(rank: int, port: int) -> None:
+@contextlib.contextmanager
+def _nccl_group(rank: int, port: int) -> Iterator[torch.device]:
+    """This rank's GPU in a 2-rank NCCL group (torn down after the block)."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     url = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("nccl", init_method=url, rank=rank, world_size=2, device_id=device)
     try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def _gpu_rank(rank: int, port: int) -> None:
+    with _nccl_group(rank, port) as device:
         group = dist.group.WORLD
         comms = []  # kept alive: the engine never frees its buffer either
         for algorithm in ("one_shot", "two_shot"):
@@ -81,8 +92,6 @@ def _gpu_rank(rank: int, port: int) -> None:
                 graph.replay()
                 for i, out in enumerate(outs):
                     torch.testing.assert_close(out, _expected(i, seed, device))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -163,11 +172,7 @@ def _nccl_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_rank(rank: int, port: int) -> None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    url = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("nccl", init_method=url, rank=rank, world_size=2, device_id=device)
-    try:
+    with _nccl_group(rank, port) as device:
         group = dist.group.WORLD
         comm = TritonAllReduce(group, device, TRITON_MAX_BYTES)  # raises with a reason
         chosen = create_tp_all_reduce(group, device, MAX_BYTES, "triton")
@@ -233,8 +238,6 @@ def _triton_rank(rank: int, port: int) -> None:
             inputs.append(x)
         for n, (x, out) in enumerate(zip(inputs, outputs, strict=True)):
             torch.testing.assert_close(out, _nccl_sum(x), msg=f"back-to-back call {n}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
