@@ -29,6 +29,7 @@ from minivllm.protocol.messages import (  # noqa: E402
     SchedulerOutput,
 )
 from minivllm.protocol.sampling_params import SamplingParams  # noqa: E402
+from minivllm.worker.step_sampling import compute_logits, sample_logits  # noqa: E402
 from minivllm.worker.worker import Worker  # noqa: E402
 
 
@@ -116,9 +117,9 @@ def main() -> None:
         print(f"  graph replay (B={NUM}) GPU {gpu_ms(lambda: runner.graphs.replay(NUM)):.2f} ms")
     hidden = torch.randn(NUM, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        print(f"  lm_head GPU {gpu_ms(lambda: runner._logits(hidden)):.3f} ms")
-        logits = runner._logits(hidden)
-        print(f"  sampler GPU {gpu_ms(lambda: runner._sample(logits, NUM)):.3f} ms")
+        print(f"  lm_head GPU {gpu_ms(lambda: compute_logits(runner.model, hidden)):.3f} ms")
+        logits = compute_logits(runner.model, hidden)
+        print(f"  sampler GPU {gpu_ms(lambda: sample_logits(logits, runner.buffers)):.3f} ms")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -23,11 +23,11 @@ from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.step_buffers import StepBuffers
+from minivllm.worker.step_sampling import compute_logits, sample_rows
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GREEDY_EPS = 1e-5
 # KV sizing leaves this share of the GPU to the CUDA graphs' memory pool (captured later)
 _GRAPH_RESERVE = 0.01
 # attention backends that never read device data on the host, so a decode step can be captured
@@ -152,7 +152,7 @@ class ModelRunner:
         pos = torch.arange(n, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, caches, meta)
         rows = min(n, self.config.scheduler.max_num_seqs)
-        logits = self._logits(hidden[-rows:])
+        logits = compute_logits(self.model, hidden[-rows:])
         if self.device.type == "cuda":
             from minivllm.worker.ops.sampling import sample
 
@@ -252,7 +252,8 @@ class ModelRunner:
             return AsyncModelRunnerOutput(so.step_id, req_ids, [], None)
         ns = len(sample_idx)
         sampled_states = [states[i] for i in sample_idx]
-        sampled = self._sample_hidden(hidden.index_select(0, d.logits_indices[:ns]), ns)
+        rows = hidden.index_select(0, d.logits_indices[:ns])
+        sampled = sample_rows(self.model, rows, self.buffers, self.tp.size)
         out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
@@ -377,57 +378,3 @@ class ModelRunner:
             decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
         )
         return states, sample_idx.tolist(), meta, padded
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        lm_head = getattr(self.model, "lm_head", None)
-        if self.device.type == "cuda" and lm_head is not None:
-            # the device sampler reads bf16 logits; a float32 copy would cost a pass over them
-            return lm_head.compute_logits(hidden)
-        return self.model.compute_logits(hidden)
-
-    def _sample_hidden(self, hidden: torch.Tensor, ns: int) -> torch.Tensor:
-        """Sampled ids [ns] on the device for the final hidden states of the sampling rows."""
-        d, h = self.buffers.dev, self.buffers.host
-        lm_head = getattr(self.model, "lm_head", None)
-        if self.device.type == "cuda" and self.tp.size > 1 and lm_head is not None:
-            unfiltered = not (
-                (h.top_k[:ns] > 0).any() or (h.top_p[:ns] < 1.0).any() or (h.min_p[:ns] > 0).any()
-            )
-            if unfiltered:
-                from minivllm.worker.vocab_parallel_sampling import sample_vocab_parallel
-
-                return sample_vocab_parallel(
-                    lm_head, hidden, d.temperature[:ns], d.seeds[:ns], d.sample_positions[:ns]
-                )
-        return self._sample(self._logits(hidden), ns)
-
-    def _sample(self, logits: torch.Tensor, ns: int) -> torch.Tensor:
-        """Sampled ids [ns] on the logits' device, parameters from the step buffers."""
-        d, h = self.buffers.dev, self.buffers.host
-        if self.device.type == "cuda":
-            from minivllm.worker.ops.sampling import sample
-
-            # filters no row asks for are skipped: without them sampling is one pass
-            return sample(
-                logits,
-                d.temperature[:ns],
-                d.top_k[:ns] if (h.top_k[:ns] > 0).any() else None,
-                d.top_p[:ns] if (h.top_p[:ns] < 1.0).any() else None,
-                d.min_p[:ns] if (h.min_p[:ns] > 0.0).any() else None,
-                d.seeds[:ns],
-                d.sample_positions[:ns],
-            )
-        from minivllm.worker.sampler import SamplingMetadata, sample
-
-        temperature = h.temperature[:ns]
-        meta = SamplingMetadata(
-            temperature=d.temperature[:ns],
-            top_k=d.top_k[:ns],
-            top_p=d.top_p[:ns],
-            min_p=d.min_p[:ns],
-            seeds=d.seeds[:ns],
-            positions=d.sample_positions[:ns],
-            all_greedy=bool((temperature < _GREEDY_EPS).all()),
-            all_random=bool((temperature >= _GREEDY_EPS).all()),
-        )
-        return sample(logits.float(), meta)
