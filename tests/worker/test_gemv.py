@@ -1,4 +1,5 @@
-"""The Triton GEMV (batch-1 linear layers) against a float64 matmul.
+"""The Triton GEMV (batch-1 linear layers) against a float64 matmul, and its fused
+prologues (residual add + RMSNorm, SiLU * up) against the separate ops they replace.
 
 On CPU the kernel runs through the Triton interpreter in a subprocess (TRITON_INTERPRET must
 be set before triton is imported); on a GPU through `ops.linear`, as the layers call it.
@@ -30,6 +31,33 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         gemv(torch.ones(5, 512), torch.ones(8, 512), GemvConfig(4, 256, 4, 2))
 
 
+def check_fused_prologues(device: str, dtype: torch.dtype) -> None:
+    from minivllm.worker.ops.gemv import GemvConfig, gemv_config, gemv_rms_norm, gemv_silu_mul
+    from minivllm.worker.ops.norm import fused_add_rms_norm_torch, rms_norm_torch
+
+    gen = torch.Generator().manual_seed(1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 1024, 1024)):
+        cfg = gemv_config(n, k) if device == "cuda" else GemvConfig(4, 256, 4, 2)
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        res = torch.randn(m, k, generator=gen).to(device, dtype)
+        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+        normed, want_res = fused_add_rms_norm_torch(x, res, nw, 1e-6)
+        got, got_res = gemv_rms_norm(x, res, nw, 1e-6, w, cfg)
+        assert torch.equal(got_res, want_res)  # the new residual stream, written once
+        torch.testing.assert_close(got.double(), normed.double() @ w.double().T, atol=tol, rtol=tol)
+        got, same = gemv_rms_norm(x, None, nw, 1e-6, w, cfg)
+        assert same is x
+        want = rms_norm_torch(x, nw, 1e-6).double() @ w.double().T
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+        gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
+        act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+        got = gemv_silu_mul(gate_up, w, cfg)
+        torch.testing.assert_close(got.double(), act.double() @ w.double().T, atol=tol, rtol=tol)
+
+
 @needs_triton
 def test_gemv_interpreted() -> None:
     run_interpreted(__file__)
@@ -42,11 +70,23 @@ def test_gemv_gpu() -> None:
     from minivllm.worker.layers import ops
 
     check_gemv("cuda", torch.bfloat16)
+    check_fused_prologues("cuda", torch.bfloat16)
     x = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
+    # the layers' entry points: fused at one row, the same as the separate kernels
+    h, res = x[:, :1024].contiguous(), torch.randn_like(x[:, :1024])
+    nw, w1 = torch.ones(1024, device="cuda", dtype=torch.bfloat16), w[:, :1024].contiguous()
+    normed, new_res = ops.fused_add_rms_norm(h, res, nw, 1e-6)
+    got, got_res = ops.rms_norm_linear(h, res, nw, 1e-6, w1)
+    assert torch.equal(got_res, new_res)
+    torch.testing.assert_close(got, F.linear(normed, w1), atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(ops.silu_and_mul(gate_up), w)
+    torch.testing.assert_close(ops.silu_mul_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":
     check_gemv("cpu", torch.float32)
+    check_fused_prologues("cpu", torch.float32)
     print("ok")

@@ -136,7 +136,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
     output of a column-parallel layer). Partial products are all-reduced, then the bias is
-    added once."""
+    added once. With `reduce_results=False` the partial sum is returned (rank 0's carries
+    the bias) for the consumer to reduce, e.g. fused with the next residual add + norm."""
 
     def __init__(
         self,
@@ -145,9 +146,11 @@ class RowParallelLinear(nn.Module):
         tp: TPGroup,
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce_results = reduce_results
         self.input_size_per_rank = divide(input_size, tp.size)
         self.weight = _param(
             output_size, self.input_size_per_rank, dtype=params_dtype, loader=self.weight_loader
@@ -163,6 +166,11 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(ops.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
+        """`silu_mul_input`: x is a gate/up pair [..., 2 * in] and the layer's input is
+        silu(gate) * up, computed inside the matmul where it can be (batch 1 on CUDA)."""
+        matmul = ops.silu_mul_linear if silu_mul_input else ops.linear
+        if not self.reduce_results:
+            return matmul(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.tp.all_reduce(matmul(x, self.weight))
         return y + self.bias if self.bias is not None else y

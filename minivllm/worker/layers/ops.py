@@ -2,8 +2,9 @@
 
 They are the swap point for fused kernels: on CUDA tensors the norms and the activation go
 to the Triton kernels in `minivllm.worker.ops` (one kernel each instead of 3-6 small ones),
-and single-row linears to the Triton GEMV; on the CPU they stay the plain torch below. Each
-computes in float32 and returns the input dtype, matching HF transformers' numerics.
+and single-row linears to the Triton GEMV, which also absorbs the norm or the activation in
+front of it; on the CPU they stay the plain torch below. Each computes in float32 and
+returns the input dtype, matching HF transformers' numerics.
 """
 
 from __future__ import annotations
@@ -17,24 +18,60 @@ from minivllm.worker.ops import norm as _triton_norm
 from minivllm.worker.ops._triton import HAS_TRITON
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b. One 16-bit row on CUDA (batch-1 decode) goes to the Triton GEMV, which
-    reads W at 1.2-2 TB/s where cuBLAS's 8-row GEMM tiles get less (19 against 25 µs per
-    Qwen3-0.6B layer on an H100); everything else is cuBLAS."""
-    if (
-        bias is None
-        and HAS_TRITON
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, k: int) -> _triton_gemv.GemvConfig | None:
+    """The GEMV config for x [1, *] @ weight^T when the Triton GEMV takes it, else None: one
+    16-bit CUDA row (batch-1 decode), where it reads W at 1.2-2 TB/s and cuBLAS's 8-row GEMM
+    tiles get less (19 against 25 µs per Qwen3-0.6B layer on an H100)."""
+    if not (
+        HAS_TRITON
         and x.is_cuda
         and x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1
         and weight.stride(1) == 1
+        and weight.shape[1] == k
     ):
-        cfg = _triton_gemv.gemv_config(*weight.shape)
-        if cfg is not None:
-            return _triton_gemv.gemv(x, weight, cfg)
+        return None
+    return _triton_gemv.gemv_config(weight.shape[0], k)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b: the Triton GEMV for one row on CUDA, cuBLAS (or the CPU) otherwise."""
+    cfg = _gemv_config(x, weight, x.shape[-1]) if bias is None else None
+    if cfg is not None:
+        return _triton_gemv.gemv(x, weight, cfg)
     return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual); without a residual (linear(rms_norm(x)),
+    x). One kernel for a single row on CUDA (the norm is the GEMV's prologue)."""
+    cfg = _gemv_config(x, weight, x.shape[-1]) if bias is None else None
+    if cfg is not None and (residual is None or (x.is_contiguous() and residual.is_contiguous())):
+        return _triton_gemv.gemv_rms_norm(x, residual, norm_weight, eps, weight, cfg)
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """linear(silu(x[..., :d]) * x[..., d:]); one kernel for a single row on CUDA."""
+    cfg = _gemv_config(x, weight, x.shape[-1] // 2) if bias is None else None
+    if cfg is not None:
+        return _triton_gemv.gemv_silu_mul(x, weight, cfg)
+    return linear(silu_and_mul(x), weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -42,6 +42,17 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With s = the sum of x over the ranks (+ residual): (rms_norm(s) * weight, s)."""
+        from minivllm.worker.layers import ops
+
+        x = self.all_reduce(x)
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), x
+        return ops.fused_add_rms_norm(x, residual, weight, eps)
+
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along dim, in rank order; every rank gets the result."""
         if self.size == 1:

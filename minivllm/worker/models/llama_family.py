@@ -17,7 +17,6 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.layers.activation import SiluAndMul
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -72,6 +71,7 @@ class Attention(nn.Module):
             tp,
             bias=bool(hf.get("attention_bias", False)) and not variant.qkv_bias,
             params_dtype=params_dtype,
+            reduce_results=False,  # summed over the ranks with the next add + norm
         )
         self.rotary_emb = rotary_emb  # shared by all layers
         eps = float(hf["rms_norm_eps"])
@@ -81,11 +81,12 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        """Attention from this layer's qkv projection (the caller runs `qkv_proj`, fused with
+        the norm before it); returns o_proj's partial sum (summed over TP ranks later)."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
@@ -110,11 +111,15 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
         )
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, params_dtype=params_dtype)
+        # partial sums, reduced with the next layer's add + norm
+        self.down_proj = RowParallelLinear(
+            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) from the gate_up projection (run by the caller, fused with
+        the norm before it); returns down's partial sum over the TP ranks."""
+        return self.down_proj(gate_up, silu_mul_input=True)
 
 
 class DecoderLayer(nn.Module):
@@ -130,6 +135,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
+        self.tp = tp
         self.self_attn = Attention(
             config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
         )
@@ -145,14 +151,18 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the residual stream is carried separately so each norm can fuse the add
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """hidden: the previous layer's MLP output as a partial sum over the TP ranks, or for
+        the first layer (residual None) the embeddings. Returns this layer's (partial MLP
+        output, residual stream). The residual stream is carried separately so each norm can
+        fuse the add, the TP sum and, at batch 1, the projection after it."""
+        attn, mlp = self.self_attn, self.mlp
+        tp = self.tp if residual is not None else None
+        qkv, residual = self.input_layernorm.then_linear(hidden, residual, attn.qkv_proj, tp)
+        hidden = attn(positions, qkv, kv_cache, meta)
+        gate_up, residual = self.post_attention_layernorm.then_linear(
+            hidden, residual, mlp.gate_up_proj, self.tp
+        )
+        return mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
@@ -166,6 +176,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
         self.layers = nn.ModuleList(
@@ -184,7 +195,7 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, self.tp)
         return hidden
 
 

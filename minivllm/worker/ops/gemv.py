@@ -1,10 +1,17 @@
-"""y = x W^T for one to four rows (batch-1 decode): a Triton GEMV.
+"""y = x W^T for one to four rows (batch-1 decode): a Triton GEMV, optionally with the op
+that produces x fused in front of it.
 
 At batch 1 every linear layer is a matrix-vector product that reads W once; cuBLAS runs
 them as GEMMs with 8-row tiles and, for N = 1024, a split-K pass plus a reduction kernel.
 Here each program owns BLOCK_N output features and streams their rows of W in BLOCK_K
 slices, multiplying on the CUDA cores (no tensor-core tile to pad a single row to) and
 reducing in float32; the few rows of x are reloaded per slice from L1/L2.
+
+At batch 1 a step is ~300 kernels of a few µs each, so the small kernels between the GEMVs
+cost as much as their work. Two prologues remove them: every program recomputes the
+(residual-add +) RMSNorm of its input row (a few KB read from L2; program 0 also writes the
+new residual stream), or SiLU(gate) * up of the gate_up output. The values fed to the dot
+are rounded to the activation dtype exactly as the separate kernels round what they store.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import torch
 
 from minivllm.worker.ops._triton import tl, triton
 
+# what the kernel computes x from
+_PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
+
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -24,19 +34,61 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _normed_slice(x_row, res_row, new_res_row, nw_ptr, k, offs_k, rstd, write_res,
+                  HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    h = tl.load(x_row + k + offs_k)
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + tl.load(res_row + k + offs_k).to(tl.float32)).to(h.dtype)
+        if write_res:
+            tl.store(new_res_row + k + offs_k, h)
+    normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
+    nw = tl.load(nw_ptr + k + offs_k).to(tl.float32)
+    return (normed * nw).to(h.dtype).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, K, stride_xm, stride_wn, stride_om,
+    res_ptr, new_res_ptr, nw_ptr, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     for m in tl.static_range(M):
+        x_row = x_ptr + m * stride_xm
+        rstd = 0.0
+        if PROLOGUE == 1:
+            # the row's sum of squares first (one slice when K == BLOCK_K: L1 serves the rest)
+            res_row = res_ptr + m * K
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                h = tl.load(x_row + k + offs_k)
+                if HAS_RESIDUAL:
+                    h = (h.to(tl.float32) + tl.load(res_row + k + offs_k).to(tl.float32)).to(
+                        h.dtype
+                    )
+                hf = h.to(tl.float32)
+                ss += hf * hf
+            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptr + m * stride_xm + k + offs_k)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if PROLOGUE == 1:
+                x = _normed_slice(
+                    x_row, res_ptr + m * K, new_res_ptr + m * K, nw_ptr, k, offs_k, rstd,
+                    pid == 0, HAS_RESIDUAL,
+                )  # fmt: skip
+            elif PROLOGUE == 2:
+                gate = tl.load(x_row + k + offs_k).to(tl.float32)
+                up = tl.load(x_row + K + k + offs_k)
+                act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # as F.silu rounds
+                x = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            else:
+                x = tl.load(x_row + k + offs_k).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
         tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty))
 
@@ -56,17 +108,50 @@ def gemv_fits(cfg: GemvConfig, m: int, n: int, k: int) -> bool:
     return 1 <= m <= 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
-    """x [M <= 4, K] @ w [N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
-    m, k = x.shape
-    n = w.shape[0]
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, k: int, prologue: int,
+    residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    m, n = x.shape[0], w.shape[0]
     if not gemv_fits(cfg, m, n, k):
         raise ValueError(f"config {cfg} does not tile M={m}, N={n}, K={k}")
     assert x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // cfg.block_n,)](
         x, w, out, k, x.stride(0), w.stride(0), out.stride(0),
-        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x if residual is None else residual, x if new_residual is None else new_residual,
+        x if norm_weight is None else norm_weight, eps,
+        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+    """x [M <= 4, K] @ w [N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    return _launch(x, w, cfg, x.shape[1], _PLAIN)
+
+
+def gemv_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    cfg: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ w^T, x + residual) for x, residual [M <= 4, K] (contiguous);
+    without a residual, (rms_norm(x) @ w^T, x)."""
+    m, k = x.shape
+    new_residual = None
+    if residual is not None:
+        assert residual.is_contiguous() and x.is_contiguous()
+        new_residual = torch.empty_like(x)
+    out = _launch(x, w, cfg, k, _RMS_NORM, residual, new_residual, norm_weight, eps)
+    return out, (x if new_residual is None else new_residual)
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+    """(silu(x[:, :K]) * x[:, K:]) @ w^T for x [M <= 4, 2K] (gate, then up) and w [N, K]."""
+    return _launch(x, w, cfg, x.shape[1] // 2, _SILU_MUL)
