@@ -12,22 +12,43 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.worker.ops._triton import tl, triton, use_triton
+from minivllm.worker.ops._triton import HAS_TRITON, interpreting, tl, triton, use_triton
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import libdevice
+else:  # pragma: no cover - depends on the install
+    libdevice = None
 
 GREEDY_EPS = 1e-5  # temperature below this means greedy
 _QUARTER = 1024  # a tile is 4 quarters: one Philox call gives the 4 quarters' random numbers
 
 
 @triton.jit
+def _gumbel(u, FAST: tl.constexpr):
+    """Gumbel noise from a uniform u in [0, 1), up to a constant (argmax ignores it).
+
+    FAST (GPU): -log(E) with E = -log(1 - u) ~ Exp(1), from two MUFU log2 approximations
+    instead of two full-precision logs, which made the sampler compute-bound; E is taken
+    from a series where it is small (u < 2^-7), so the noise is exact where the row's
+    maximum lives. Otherwise (the interpreter has no libdevice): -log(-log(u))."""
+    if FAST:
+        small = u + u * u * (0.5 + u * 0.3333333333333333)
+        e = tl.where(u < 0.0078125, small, -0.6931471805599453 * libdevice.fast_log2f(1.0 - u))
+        return -0.6931471805599453 * libdevice.fast_log2f(e)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_quarter(
-    logits_row, idx, vocab_start, vocab_end, bits, greedy, inv_t, threshold, best_val, best_idx
-):
+    logits_row, idx, vocab_start, vocab_end, bits, greedy, inv_t, threshold, best_val, best_idx,
+    FAST: tl.constexpr,
+):  # fmt: skip
     # idx is a global vocabulary index; the row holds [vocab_start, vocab_end) of them
     mask = (idx >= vocab_start) & (idx < vocab_end)
     logit = tl.load(logits_row + (idx - vocab_start), mask=mask, other=float("-inf"))
     logit = logit.to(tl.float32)
     u = tl.random.uint_to_uniform_float(bits)
-    z = tl.where(greedy, logit, logit * inv_t - tl.log(-tl.log(u)))
+    z = tl.where(greedy, logit, logit * inv_t + _gumbel(u, FAST))
     z = tl.where(logit >= threshold, z, float("-inf"))
     better = z > best_val  # strict: each lane keeps its first maximum (lowest index)
     return tl.where(better, z, best_val), tl.where(better, idx, best_idx)
@@ -40,7 +61,7 @@ def _gumbel_quarter(
 def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
     part_idx_ptr, vocab_start, vocab_end, tiles_per_chunk, num_chunks,
-    QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+    QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -78,6 +99,7 @@ def _sample_kernel(
             threshold,
             best_val,
             best_idx,
+            FAST,
         )
         best_val, best_idx = _gumbel_quarter(
             logits_row,
@@ -90,6 +112,7 @@ def _sample_kernel(
             threshold,
             best_val,
             best_idx,
+            FAST,
         )
         best_val, best_idx = _gumbel_quarter(
             logits_row,
@@ -102,6 +125,7 @@ def _sample_kernel(
             threshold,
             best_val,
             best_idx,
+            FAST,
         )
         best_val, best_idx = _gumbel_quarter(
             logits_row,
@@ -114,6 +138,7 @@ def _sample_kernel(
             threshold,
             best_val,
             best_idx,
+            FAST,
         )
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
@@ -213,6 +238,7 @@ def _sample_chunks(
     positions: torch.Tensor,
     vocab_start: int,
     vocab_end: int,
+    fast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel over ~1024 programs: per row and vocabulary chunk, the best score and its
     global index ([N, chunks] each)."""
@@ -227,7 +253,8 @@ def _sample_chunks(
     _sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
         seeds, positions, part_val, part_idx, vocab_start, vocab_end, tiles_per_chunk, chunks,
-        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, num_warps=8,
+        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=fast and not interpreting(),
+        num_warps=8,
     )  # fmt: skip
     return part_val, part_idx
 
