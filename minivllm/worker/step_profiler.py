@@ -1,7 +1,8 @@
 """An optional torch-profiler window over a worker's steps, for every rank.
 
 `MINIVLLM_TORCH_PROFILE=DIR` profiles steps [MINIVLLM_PROFILE_START, +MINIVLLM_PROFILE_STEPS)
-(default 300 and 20) and writes DIR/rank{R}.txt: the kernels and ops by device time.
+(default 300 and 20) and writes DIR/rank{R}.txt: the kernels and ops by device time, or by
+host time with MINIVLLM_PROFILE_SORT=cpu (where a step's launch time goes).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class StepProfiler:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            by_cpu = os.environ.get("MINIVLLM_PROFILE_SORT") == "cpu"
+            sort = (
+                "cuda_time_total" if torch.cuda.is_available() and not by_cpu else "cpu_time_total"
+            )
             table = self.prof.key_averages().table(sort_by=sort, row_limit=40)
             os.makedirs(self.out_dir, exist_ok=True)
             path = os.path.join(self.out_dir, f"rank{self.rank}.txt")
