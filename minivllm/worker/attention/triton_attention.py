@@ -7,12 +7,9 @@ Per layer and step, `forward` launches:
   2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
-     stores its partial output and log-sum-exp; the last program of a (sequence, kv head) to
-     finish, found by an atomic arrival counter, merges them in the same launch (a separate
-     merge kernel cost 1.75 µs per layer at batch 1 on an H100, nearly all of it launch
-     latency). Programs run longest context first when `meta.decode_order` is given (1.7% less
-     attention time over the reference workload on an H100, whose contexts range from 100 to
-     2,048 tokens).
+     `_merge_kernel` combines the slices by their log-sum-exp. Programs run longest
+     context first when `meta.decode_order` is given (1.7% less attention time over the
+     reference workload on an H100, whose contexts range from 100 to 2,048 tokens).
   3. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
@@ -21,10 +18,7 @@ CUDA graphs: decode grids depend only on Python ints that are fixed per padded b
 (`meta.num_decodes`, the number of kv heads); each program reads its real context length from
 `seq_lens` on the device. Padded decode rows must have `seq_lens == 0` (their output is 0) and
 padded tokens `slot_mapping == -1`. The split-KV scratch is allocated inside `forward`, which
-is legal during capture (it comes from the graph's memory pool); the arrival counters persist
-in the backend, are zero between launches, and must exist before a capture (a warm-up forward
-of the same batch size outside the capture allocates them). Every program of a launch must
-arrive, so `decode_order` must be a permutation of the decode rows, padding included.
+is legal during capture (it comes from the graph's memory pool).
 """
 
 from __future__ import annotations
@@ -67,12 +61,12 @@ def _store_kv_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, arrivals_ptr, scale_log2,
+    part_lse_ptr, scale_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
     # in this order, so with `order` (longest context first) the longest work starts first
@@ -129,41 +123,26 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # scratch layout: [num_decodes, num_heads, NUM_SPLITS, (HEAD_DIM)], contiguous
-        rows = (seq * (NUM_KV_HEADS * GQA) + heads) * NUM_SPLITS
+        row = (seq * (NUM_KV_HEADS * GQA) + heads) * NUM_SPLITS + split
         tl.store(
-            part_out_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :],
-            out,
-            mask=g_mask[:, None],
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None]
         )
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + rows + split, lse, mask=g_mask)
-        # one thread does the increment: the barrier puts every thread's stores before it,
-        # and its release publishes them to the program that arrives last
-        tl.debug_barrier()
-        count_ptr = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()  # every thread loads after the increment's acquire
-            # unrolled, so the heads' scratch loads can all be in flight at once
-            for g in tl.static_range(GQA):
-                head = kv_head * GQA + g
-                _merge_head(
-                    part_out_ptr, part_lse_ptr, out_ptr + seq * stride_o_tok + head * stride_o_head,
-                    (seq * NUM_KV_HEADS * GQA + head) * NUM_SPLITS, HEAD_DIM, NUM_SPLITS, BLOCK_S,
-                )  # fmt: skip
-            tl.store(count_ptr, 0)  # every split has arrived: zero for the next launch
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
-def _merge_head(
-    part_out_ptr, part_lse_ptr, o_ptr, first_row,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One q head's output at `o_ptr`: the partial outputs of its splits (scratch rows from
-    `first_row` on) weighted by exp2(lse); a split without keys has lse -inf, weight 0."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
-    rows = first_row + offs_s
+    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf: weights 0, output 0
@@ -172,7 +151,10 @@ def _merge_head(
     )
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
-    tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + seq * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+    )
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])
@@ -301,26 +283,6 @@ class TritonAttentionBackend:
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
         self.prefill_tiles = prefill_tiles
-        # split-KV decode: per (decode row, kv head), how many splits have stored their partial;
-        # the last one merges and zeroes it, so it is all zeros between launches
-        self.arrivals: torch.Tensor | None = None
-        self._retired: list[torch.Tensor] = []  # smaller counters that graphs may still use
-
-    def _arrival_counters(self, size: int, device: torch.device) -> torch.Tensor:
-        counters = self.arrivals
-        if counters is not None and counters.numel() >= size and counters.device == device:
-            return counters
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"split-KV decode needs {size} arrival counters, allocated outside CUDA graph "
-                "capture: run a forward of this batch size before capturing it"
-            )
-        if counters is not None:
-            self._retired.append(counters)
-        # splits > 1 only while decode rows x kv heads < min_programs (unless num_splits
-        # forces them), so the first allocation serves every batch size
-        self.arrivals = torch.zeros(max(size, self.min_programs), dtype=torch.int32, device=device)
-        return self.arrivals
 
     def forward(
         self,
@@ -355,9 +317,8 @@ class TritonAttentionBackend:
             splits = self.num_splits or num_decode_splits(
                 nd, num_kv_heads, self.max_splits, self.min_programs
             )
-            part_out = part_lse = arrivals = out  # unused without splits
+            part_out = part_lse = out  # unused without splits
             if splits > 1:
-                arrivals = self._arrival_counters(nd * num_kv_heads, q.device)
                 part_out = torch.empty(
                     (nd, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
                 )
@@ -368,14 +329,20 @@ class TritonAttentionBackend:
             block_n = self.decode_block_n or (128 if wide and head_dim <= 128 else 64)
             _decode_kernel[(nd * num_kv_heads * splits,)](
                 q, kv_cache, meta.block_table, meta.seq_lens,
-                meta.seq_lens if order is None else order, out, part_out, part_lse, arrivals,
+                meta.seq_lens if order is None else order, out, part_out, part_lse,
                 scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 meta.block_table.stride(0), *cache_strides,
                 GQA=gqa, BLOCK_G=max(16, next_power_of_2(gqa)), HEAD_DIM=head_dim,
-                BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits),
-                NUM_KV_HEADS=num_kv_heads, HAS_ORDER=order is not None, PRECISION=precision,
+                BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits, NUM_KV_HEADS=num_kv_heads,
+                HAS_ORDER=order is not None, PRECISION=precision,
                 num_warps=4, num_stages=self.decode_stages or (3 if wide else 2),
             )  # fmt: skip
+            if splits > 1:
+                _merge_kernel[(nd, num_heads)](
+                    part_out, part_lse, out, out.stride(0), out.stride(1),
+                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                    BLOCK_S=next_power_of_2(splits),
+                )  # fmt: skip
 
         num_prefills = meta.num_seqs - nd
         if num_prefills:
