@@ -3,19 +3,24 @@
 28 distinct weights per shape (one per layer, 112-336 MB in all, so nothing stays in the
 50 MB L2), called in turn inside one CUDA graph, as the decode graph does. Times
 `F.linear`, `torch.mv` and every `GemvConfig` candidate; checks results against cuBLAS.
+With --fused: one layer's four linears with the norms and SiLU*mul as separate kernels
+against the GEMV with those ops as prologues, for a few configs.
 
-    python benchmarks/probe_gemv.py
+    python benchmarks/probe_gemv.py [--fused]
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
 from graph_timing import graph_replay_ms
 
-from minivllm.worker.ops.gemv import GemvConfig, gemv, gemv_fits
+from minivllm.worker.ops.activation import silu_and_mul
+from minivllm.worker.ops.gemv import GemvConfig, gemv, gemv_fits, gemv_rms_norm, gemv_silu_mul
+from minivllm.worker.ops.norm import fused_add_rms_norm
 
 SHAPES = {
     "qkv": (4096, 1024),
@@ -71,5 +76,56 @@ def main() -> None:
     print(f"per layer at M=1: cuBLAS {total['cuBLAS']:.2f} us, best Triton {total['best']:.2f} us")
 
 
+def fused_layers() -> None:
+    """A decode layer's linears at M=1, 28 layers' weights in turn: norm / activation kernels
+    plus plain GEMVs, against the GEMVs with the prologues (per config of the fused ones)."""
+    torch.manual_seed(0)
+    ws = {
+        name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
+        for name, (n, k) in SHAPES.items()
+    }
+    h = torch.randn(1, 1024, dtype=torch.bfloat16, device="cuda")
+    res = torch.randn_like(h)
+    nw = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
+    gate_up = torch.randn(1, 6144, dtype=torch.bfloat16, device="cuda")
+    attn = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
+    base = GemvConfig(4, 1024, 8, 2)
+
+    def cfg(name: str) -> GemvConfig:
+        n, k = SHAPES[name]
+        return GemvConfig(4, 1024 if k % 1024 == 0 else 512, 8 if n <= 2048 else 4, 2)
+
+    def separate() -> None:
+        for i in range(LAYERS):
+            x, _ = fused_add_rms_norm(h, res, nw, 1e-6)
+            gemv(x, ws["qkv"][i], cfg("qkv"))
+            gemv(attn, ws["o_proj"][i], cfg("o_proj"))
+            x, _ = fused_add_rms_norm(h, res, nw, 1e-6)
+            gemv(x, ws["gate_up"][i], cfg("gate_up"))
+            gemv(silu_and_mul(gate_up), ws["down"][i], cfg("down"))
+
+    def fused(c_qkv: GemvConfig, c_gu: GemvConfig, c_down: GemvConfig) -> None:
+        for i in range(LAYERS):
+            gemv_rms_norm(h, res, nw, 1e-6, ws["qkv"][i], c_qkv)
+            gemv(attn, ws["o_proj"][i], cfg("o_proj"))
+            gemv_rms_norm(h, res, nw, 1e-6, ws["gate_up"][i], c_gu)
+            gemv_silu_mul(gate_up, ws["down"][i], c_down)
+
+    print(f"layer at M=1, separate norm/SiLU kernels: {graph_us(separate):6.2f} us")
+    print(f"layer at M=1, fused prologues:            "
+          f"{graph_us(lambda: fused(cfg('qkv'), cfg('gate_up'), cfg('down'))):6.2f} us")  # fmt: skip
+    for bn, warps in itertools.product((4, 8, 16), (4, 8)):
+        c = base._replace(block_n=bn, num_warps=warps)
+        c_down = c._replace(block_k=1024)
+        t_norm = graph_us(lambda c=c: [gemv_rms_norm(h, res, nw, 1e-6, w, c) for w in ws["qkv"]])
+        t_gu = graph_us(lambda c=c: [gemv_rms_norm(h, res, nw, 1e-6, w, c) for w in ws["gate_up"]])
+        t_down = graph_us(lambda c=c_down: [gemv_silu_mul(gate_up, w, c) for w in ws["down"]])
+        print(f"  {tuple(c)}: qkv+norm {t_norm:5.2f}  gate_up+norm {t_gu:5.2f}  "
+              f"silu+down {t_down:5.2f} us")  # fmt: skip
+
+
 if __name__ == "__main__":
-    main()
+    if "--fused" in sys.argv:
+        fused_layers()
+    else:
+        main()

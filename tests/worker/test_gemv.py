@@ -37,7 +37,7 @@ def check_fused_prologues(device: str, dtype: torch.dtype) -> None:
 
     gen = torch.Generator().manual_seed(1)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 1024, 1024)):
+    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 1024, 1024), (1, 16, 256), (2, 8, 256)):
         cfg = gemv_config(n, k) if device == "cuda" else GemvConfig(4, 256, 4, 2)
         x = torch.randn(m, k, generator=gen).to(device, dtype)
         res = torch.randn(m, k, generator=gen).to(device, dtype)

@@ -51,7 +51,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, K, stride_xm, stride_wn, stride_om,
     res_ptr, new_res_ptr, nw_ptr, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ONE_SLICE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,36 +59,49 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
-        rstd = 0.0
-        if PROLOGUE == 1:
-            # the row's sum of squares first (one slice when K == BLOCK_K: L1 serves the rest)
-            res_row = res_ptr + m * K
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if PROLOGUE == 1 and ONE_SLICE:
+            # K fits one slice (hidden 1024): the weights are loaded first, so the time they
+            # take to arrive covers the norm's loads and its sum over the row
+            w = tl.load(w_ptrs)
+            h = tl.load(x_row + offs_k)
+            if HAS_RESIDUAL:
+                h = (h.to(tl.float32) + tl.load(res_ptr + m * K + offs_k).to(tl.float32)).to(
+                    h.dtype
+                )
+                if pid == 0:
+                    tl.store(new_res_ptr + m * K + offs_k, h)
+            hf = h.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+            nw = tl.load(nw_ptr + offs_k).to(tl.float32)
+            x = ((hf * rstd).to(h.dtype).to(tl.float32) * nw).to(h.dtype).to(tl.float32)
+            acc = w.to(tl.float32) * x[None, :]
+        else:
+            rstd = 0.0
+            if PROLOGUE == 1:  # the row's sum of squares first, in a pass of its own
+                ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k in range(0, K, BLOCK_K):
+                    h = tl.load(x_row + k + offs_k)
+                    if HAS_RESIDUAL:
+                        h = (h.to(tl.float32) + tl.load(res_ptr + m * K + k + offs_k)).to(h.dtype)
+                    hf = h.to(tl.float32)
+                    ss += hf * hf
+                rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                h = tl.load(x_row + k + offs_k)
-                if HAS_RESIDUAL:
-                    h = (h.to(tl.float32) + tl.load(res_row + k + offs_k).to(tl.float32)).to(
-                        h.dtype
-                    )
-                hf = h.to(tl.float32)
-                ss += hf * hf
-            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            w = tl.load(w_ptrs + k)
-            if PROLOGUE == 1:
-                x = _normed_slice(
-                    x_row, res_ptr + m * K, new_res_ptr + m * K, nw_ptr, k, offs_k, rstd,
-                    pid == 0, HAS_RESIDUAL,
-                )  # fmt: skip
-            elif PROLOGUE == 2:
-                gate = tl.load(x_row + k + offs_k).to(tl.float32)
-                up = tl.load(x_row + K + k + offs_k)
-                act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # as F.silu rounds
-                x = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
-            else:
-                x = tl.load(x_row + k + offs_k).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+                w = tl.load(w_ptrs + k)
+                if PROLOGUE == 1:
+                    x = _normed_slice(
+                        x_row, res_ptr + m * K, new_res_ptr + m * K, nw_ptr, k, offs_k, rstd,
+                        pid == 0, HAS_RESIDUAL,
+                    )  # fmt: skip
+                elif PROLOGUE == 2:
+                    gate = tl.load(x_row + k + offs_k).to(tl.float32)
+                    up = tl.load(x_row + K + k + offs_k)
+                    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # as F.silu
+                    x = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+                else:
+                    x = tl.load(x_row + k + offs_k).to(tl.float32)
+                acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
         tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty))
 
@@ -123,7 +136,8 @@ def _launch(
         x if residual is None else residual, x if new_residual is None else new_residual,
         x if norm_weight is None else norm_weight, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_RESIDUAL=residual is not None, ONE_SLICE=k == cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
