@@ -9,7 +9,13 @@ all-reduces 2 MiB). The Triton kernel runs twice: "triton" copies the input into
 "triton-ip" sums a message its producer wrote straight into the buffer (`buffer_for`). Each
 path's result is checked against the NCCL sum, eager and after a graph replay. Prints µs per
 all-reduce, one row per size; a cell is marked BAD (wrong sum) or reads ERR (it raised; the
-errors are printed below the table). The whole run is killed after TIMEOUT_S.
+errors are printed below the table).
+
+A second table times what a decoder does after a row-parallel layer, for bf16 [rows, 4096]
+with a residual (rows 1, 64, 256: decode steps of that many sequences), inside a CUDA graph:
+the Triton all-reduce then ops.fused_add_rms_norm (two launches) against
+TritonAllReduce.all_reduce_add_rms_norm (one), and checks that the two give the same bits,
+eager and after the replays. The whole run is killed after TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import torch.multiprocessing as mp  # noqa: E402
 SIZES = [16 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 METHODS = ("nccl", "one_shot", "two_shot", "triton", "triton_ip")
 EAGER_REPS, GRAPH_OPS, GRAPH_REPS = 200, 50, 10
-TIMEOUT_S = 110
+NORM_ROWS, HIDDEN, EPS = (1, 64, 256), 4096, 1e-6
+PAIRS_PER_STEP = 73  # all-reduce + norm pairs in a Qwen3-8B decode step (36 layers)
+TIMEOUT_S = 170
 
 
 def time_us(fn, calls: int) -> float:
@@ -52,6 +60,67 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return torch.allclose(got.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
 
 
+def capture(fn):
+    """A CUDA graph of GRAPH_OPS calls of fn (warmed up on a side stream first), replayed
+    once; returns it and the last call's output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_OPS):
+            out = fn()
+    graph.replay()
+    return graph, out
+
+
+def graph_us(graph: torch.cuda.CUDAGraph) -> float:
+    """GPU time per captured call, over GRAPH_REPS replays."""
+    return time_us(lambda: [graph.replay() for _ in range(GRAPH_REPS)], GRAPH_REPS * GRAPH_OPS)
+
+
+def same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(
+        torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def measure_norm(comm, rows: int, rank: int, device: torch.device) -> list[str]:
+    """[2-launch µs, 1-launch µs, saved µs, saved per step µs, bit-equal] for the all-reduce
+    + add + RMSNorm of bf16 [rows, HIDDEN], each timed in a CUDA graph."""
+    from minivllm.worker.layers.ops import fused_add_rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(1000 * rank + rows)
+    x = torch.randn(rows, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
+    alike = torch.Generator(device=device).manual_seed(rows)  # the same on both ranks
+    residual = torch.randn(rows, HIDDEN, generator=alike, device=device).to(torch.bfloat16)
+    weight = (1 + torch.randn(HIDDEN, generator=alike, device=device) / 4).to(torch.bfloat16)
+
+    def two_launches():
+        return fused_add_rms_norm(comm.all_reduce(x), residual, weight, EPS)
+
+    def one_launch():
+        return comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
+
+    if not comm.fits_rows(x, residual):
+        raise RuntimeError(f"the fused kernel does not take [{rows}, {HIDDEN}]")
+    equal = same_bits(two_launches(), one_launch())
+    (unfused, unfused_out), (fused, fused_out) = capture(two_launches), capture(one_launch)
+    equal = equal and same_bits(unfused_out, fused_out)  # after one replay of each
+    two_us, one_us = graph_us(unfused), graph_us(fused)
+    equal = equal and same_bits(unfused_out, fused_out)  # after all the replays
+    saved = two_us - one_us
+    return [
+        f"{two_us:.1f}",
+        f"{one_us:.1f}",
+        f"{saved:.1f} ({100 * saved / two_us:.0f}%)",
+        f"{saved * PAIRS_PER_STEP:.0f}",
+        "yes" if equal else "NO",
+    ]
+
+
 def measure(name: str, op, stage, data: torch.Tensor, ref: torch.Tensor) -> list[str]:
     """[eager µs, graph µs] as printed cells; " BAD" marks a wrong sum. stage(t) returns
     the tensor op is given, holding t's values (t itself, or a view of the op's buffer)."""
@@ -63,17 +132,8 @@ def measure(name: str, op, stage, data: torch.Tensor, ref: torch.Tensor) -> list
     us = time_us(lambda: [op(x) for _ in range(EAGER_REPS)], EAGER_REPS)
     cells.append(f"{us:.1f}" + ("" if ok else " BAD"))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream before capture
-        op(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_OPS):
-            y = op(x)
-    graph.replay()
-    us = time_us(lambda: [graph.replay() for _ in range(GRAPH_REPS)], GRAPH_REPS * GRAPH_OPS)
+    graph, y = capture(lambda: op(x))
+    us = graph_us(graph)
     ok = True
     if name != "nccl":  # out of place: one replay over fresh input must give the sum
         x.copy_(data)
@@ -103,10 +163,11 @@ def run(rank: int, port: int) -> None:
 
     # name -> (op, stage); the communicators are kept alive to the end
     ops, comms, errors = {"nccl": (nccl, itself)}, [], []
+    triton_comm = None
     for algorithm in ("one_shot", "two_shot", "triton"):
         try:
             if algorithm == "triton":
-                comm = TritonAllReduce(group, device, max(SIZES))
+                comm = triton_comm = TritonAllReduce(group, device, max(SIZES))
                 ops["triton_ip"] = (
                     comm.all_reduce,
                     lambda t, comm=comm: comm.buffer_for(t.shape, t.dtype).copy_(t),
@@ -143,9 +204,33 @@ def run(rank: int, port: int) -> None:
             "and, but for triton-ip, include the copy into their buffer; NCCL sums in place. "
             "Eager Triton times include its Python launch."
         )
+    norm_table(triton_comm, rank, device, errors)
+    if rank == 0:
         for error in errors:
             print(f"rank 0 error: {error}")
     dist.destroy_process_group()
+
+
+def norm_table(comm, rank: int, device: torch.device, errors: list[str]) -> None:
+    """The second table: all-reduce + add + RMSNorm in two launches against one."""
+    if rank == 0:
+        print(
+            f"\nall-reduce + residual add + RMSNorm, bf16 [rows, {HIDDEN}], in a CUDA graph "
+            f"(µs per call; per step: saved x {PAIRS_PER_STEP} pairs of a Qwen3-8B step)"
+        )
+        cells = ["shape", "bytes", "2 launches", "fused", "saved", "per step", "bit-equal"]
+        print("  ".join(f"{c:>13}" for c in cells), flush=True)
+    for rows in NORM_ROWS:
+        cells = [f"[{rows}, {HIDDEN}]", f"{rows * HIDDEN * 2 >> 10} KiB"]
+        try:
+            if comm is None:
+                raise RuntimeError("no Triton all-reduce (see its setup error)")
+            cells += measure_norm(comm, rows, rank, device)
+        except Exception as e:
+            errors.append(f"fused [{rows}, {HIDDEN}]: {type(e).__name__}: {e}")
+            cells += ["ERR"] * 5
+        if rank == 0:
+            print("  ".join(f"{c:>13}" for c in cells), flush=True)
 
 
 def main() -> int:

@@ -1,15 +1,19 @@
 """The tensor-parallel all-reduce across 2 spawned ranks: over symmetric memory on 2 GPUs
 (torch.ops.symm_mem and the Triton one-shot kernel: sums equal NCCL's, eager, replayed in CUDA
-graphs and back to back; messages above the buffer go to NCCL), and over gloo on CPU, where
-every symmetric-memory setup declines without raising. On CPU the Triton kernel is also
-compiled for Hopper, to check its code without a GPU."""
+graphs and back to back; messages above the buffer go to NCCL), the Triton all-reduce fused
+with the residual add and RMSNorm (bit-equal to the two steps, interleaved with plain calls,
+eager and in graphs), and over gloo on CPU, where every symmetric-memory setup declines
+without raising. On CPU the Triton kernels are also compiled for Hopper, to check their code
+without a GPU, and the fused one runs through the Triton interpreter."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minivllm.worker.layers import ops
 from minivllm.worker.layers.parallel_state import TPGroup
 from minivllm.worker.layers.symm_all_reduce import (
     CHOICE_ENV,
@@ -25,9 +30,11 @@ from minivllm.worker.layers.symm_all_reduce import (
     create_tp_all_reduce,
 )
 from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
-from minivllm.worker.ops._triton import HAS_TRITON
+from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
+from tests.triton_interpreter import run_interpreted
 
 MAX_BYTES = 64 << 10
+EPS = 1e-6
 # (shape, dtype, whether the symmetric-memory path takes it)
 CASES = [
     ((1, 4096), torch.bfloat16, True),
@@ -59,6 +66,12 @@ def _expected(case: int, seed: int, device: torch.device) -> torch.Tensor:
 @contextlib.contextmanager
 def _nccl_group(rank: int, port: int) -> Iterator[torch.device]:
     """This rank's GPU in a 2-rank NCCL group (torn down after the block)."""
+    # no NVLink multicast anywhere (NCCL's NVLS, symmetric memory's multimem, NVSHMEM's
+    # NVLS): where a host does not permit it, setting it up can hang or take the GPUs out of
+    # service. Read when NCCL and symmetric memory start, so set before either.
+    os.environ.update(
+        NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+    )
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     url = f"tcp://127.0.0.1:{port}"
@@ -81,6 +94,13 @@ def _gpu_rank(rank: int, port: int) -> None:
                 x = _input(rank, i, 0, device)
                 assert comm.fits(x) == takes, (algorithm, CASES[i])
                 torch.testing.assert_close(tp.all_reduce(x), _expected(i, 0, device))
+            for i in (0, 2):  # the add + RMSNorm after the sum: all_reduce, then the norm
+                x, residual = _input(rank, i, 0, device), _input(0, i, 1, device)
+                weight = torch.ones(x.shape[-1], dtype=x.dtype, device=device)
+                want = ops.fused_add_rms_norm(_expected(i, 0, device), residual, weight, EPS)
+                got = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w)
 
             static = [_input(rank, i, 0, device) for i in range(len(CASES))]
             graph = torch.cuda.CUDAGraph()
@@ -125,6 +145,11 @@ def _gloo_rank(rank: int, port: int) -> None:
         cpu = torch.device("cpu")
         for i in (0, 2, 3):
             torch.testing.assert_close(tp.all_reduce(_input(rank, i, 0, cpu)), _expected(i, 0, cpu))
+        x, residual, weight = _input(rank, 2, 0, cpu), _input(0, 2, 1, cpu), _input(0, 2, 2, cpu)
+        s = _expected(2, 0, cpu) + residual
+        normed, got = tp.all_reduce_add_rms_norm(x, residual, weight[0], EPS)
+        torch.testing.assert_close(got, s)
+        torch.testing.assert_close(normed, ops.rms_norm(s, weight[0], EPS))
         gathered = tp.gather(torch.full((2, 2), float(rank)), dim=-1)
         assert gathered.tolist() == [[0.0, 0.0, 1.0, 1.0]] * 2
     finally:
@@ -247,6 +272,313 @@ def test_triton_all_reduce_sums_like_nccl_eager_in_graphs_and_back_to_back() -> 
     _join_or_fail(ranks, TRITON_TEST_TIMEOUT_S)
 
 
+# The Triton all-reduce fused with the add and RMSNorm after it: bit-equal to all_reduce then
+# ops.fused_add_rms_norm (ops.rms_norm without a residual). The buffer takes the largest
+# case, 256 fp32 rows of 4096.
+FUSED_MAX_BYTES = 256 * 4096 * 4
+# (rows, hidden, dtype, with a residual)
+FUSED_CASES = [
+    (rows, hidden, dtype, with_residual)
+    for rows in (1, 7, 256)
+    for hidden in (1024, 4096)
+    for dtype in (torch.bfloat16, torch.float32)
+    for with_residual in (True, False)
+]
+# plain all_reduce calls between the fused ones: (shape, dtype), up to the whole buffer
+PLAIN_CASES = [
+    ((3, 8), torch.bfloat16),
+    ((64, 4096), torch.bfloat16),
+    ((7, 1000), torch.float32),
+    ((FUSED_MAX_BYTES // 2,), torch.bfloat16),
+]
+FUSED_TEST_TIMEOUT_S = 240
+
+
+def _fused_input(
+    rank: int, case: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(x, residual, weight): x differs per rank, residual and weight are alike on all."""
+    rows, hidden, dtype, with_residual = FUSED_CASES[case]
+    gen = torch.Generator().manual_seed(100_000 * seed + 10 * case + rank)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    shared = torch.Generator().manual_seed(100_000 * seed + 10 * case + 9)
+    residual = torch.randn(rows, hidden, generator=shared).to(dtype).to(device)
+    weight = (1 + torch.randn(hidden, generator=shared) / 4).to(dtype).to(device)
+    return x, residual if with_residual else None, weight
+
+
+def _plain_input(rank: int, case: int, seed: int, device: torch.device) -> torch.Tensor:
+    shape, dtype = PLAIN_CASES[case]
+    gen = torch.Generator().manual_seed(100_000 * seed + 10 * case + rank + 5)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def _two_steps(
+    comm: TritonAllReduce, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the fused kernel must equal: all_reduce, then the add and the norm."""
+    s = comm.all_reduce(x)
+    if residual is None:
+        return ops.rms_norm(s, weight, EPS), s
+    return ops.fused_add_rms_norm(s, residual, weight, EPS)
+
+
+def _assert_bit_equal(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str
+) -> None:
+    for g, w, name in zip(got, want, ("normed", "residual"), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{what}: {name} {g.shape} {g.dtype}"
+        bits = {2: torch.int16, 4: torch.int32}[g.element_size()]
+        differ = int((g.view(bits) != w.view(bits)).sum())
+        assert differ == 0, f"{what}: {name} differs in {differ} of {g.numel()} elements"
+
+
+def _assert_alike_on_every_rank(t: torch.Tensor, what: str) -> None:
+    mine = t.contiguous().view(torch.uint8).flatten()
+    every = torch.empty(2 * mine.numel(), dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(every, mine)
+    assert torch.equal(every[: mine.numel()], every[mine.numel() :]), f"{what}: ranks differ"
+
+
+def _plain_call(comm: TritonAllReduce, x: torch.Tensor, in_place: bool) -> torch.Tensor:
+    if in_place:
+        return comm.all_reduce(comm.buffer_for(x.shape, x.dtype).copy_(x))
+    return comm.all_reduce(x)
+
+
+def _fused_rank(rank: int, port: int) -> None:
+    with _nccl_group(rank, port) as device:
+        group = dist.group.WORLD
+        comm = TritonAllReduce(group, device, FUSED_MAX_BYTES)  # raises with a reason
+        tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=comm)
+
+        # eager, through TPGroup: every case, a plain call of another size between
+        for i, (_, _, dtype, _) in enumerate(FUSED_CASES):
+            x, residual, weight = _fused_input(rank, i, 0, device)
+            assert comm.fits_rows(x, residual), FUSED_CASES[i]  # so TPGroup takes the kernel
+            before = [t.clone() for t in (x, residual) if t is not None]
+            got = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
+            _assert_bit_equal(got, _two_steps(comm, x, residual, weight), f"case {i}")
+            assert all(torch.equal(t, b) for t, b in zip((x, residual), before, strict=False))
+            for t in got:
+                _assert_alike_on_every_rank(t, f"case {i}")
+            s = _nccl_sum(x).float() + (0 if residual is None else residual.float())
+            torch.testing.assert_close(got[1], s.to(dtype), msg=f"case {i}: not the sum")
+            plain = _plain_input(rank, i % len(PLAIN_CASES), 0, device)
+            torch.testing.assert_close(_plain_call(comm, plain, i % 2 == 1), _nccl_sum(plain))
+
+        # what the kernel declines goes to all_reduce, then the norm
+        case = FUSED_CASES.index((7, 1024, torch.bfloat16, True))
+        x, residual, _ = _fused_input(rank, case, 0, device)
+        assert residual is not None
+        wide = torch.randn(257, 4096, device=device)
+        odd = torch.empty(x.numel() + 8, dtype=x.dtype, device=device)[1 : x.numel() + 1]
+        declined = {
+            "strided": (x[:, ::2], None),
+            "hidden not a multiple of 16": (x[:, :1000].contiguous(), None),
+            "3-D": (x.view(7, 2, 512), None),
+            "above the buffer": (wide, None),
+            "misaligned": (odd.view(x.shape), residual),
+            "misaligned residual": (x, odd.view(x.shape)),
+            "residual of another dtype": (x, residual.float()),
+        }
+        for what, (y, r) in declined.items():
+            assert not comm.fits_rows(y, r), what
+        for y in (x[:, :1000].contiguous(), wide):  # to the Triton all_reduce, and to NCCL
+            w = torch.ones(y.shape[1], dtype=y.dtype, device=device)
+            ref = _nccl_sum(y)
+            normed, s = tp.all_reduce_add_rms_norm(y.clone(), None, w, EPS)
+            torch.testing.assert_close(s, ref)
+            torch.testing.assert_close(normed, ops.rms_norm(ref, w, EPS))
+
+        # back to back, fused and plain calls of changing sizes (so grids), plain ones copied
+        # in or in place; rank 0 sometimes starts late, so either rank may be the one waiting
+        calls = []
+        for n in range(120):
+            if rank == 0 and n % 7 == 0:
+                torch.cuda._sleep(20_000 * (1 + n % 5))
+            if n % 3 == 2:
+                plain = _plain_input(rank, n % len(PLAIN_CASES), n, device)
+                calls.append((n, plain, _plain_call(comm, plain, n % 2 == 0)))
+            else:
+                i = (5 * n) % len(FUSED_CASES)
+                inputs = _fused_input(rank, i, n, device)
+                calls.append((n, inputs, comm.all_reduce_add_rms_norm(*inputs, EPS)))
+        for n, inputs, got in calls:
+            if isinstance(inputs, tuple):
+                _assert_bit_equal(got, _two_steps(comm, *inputs), f"back-to-back call {n}")
+            else:
+                torch.testing.assert_close(got, _nccl_sum(inputs), msg=f"back-to-back call {n}")
+
+        # two CUDA graphs of fused and plain calls, replayed in changing orders over fresh
+        # inputs, with eager calls between
+        picks = [(1, 4096, torch.bfloat16, True), (7, 1024, torch.float32, False)]
+        picks += [(256, 4096, torch.bfloat16, True), (256, 1024, torch.float32, True)]
+        picks += [(7, 4096, torch.bfloat16, False), (1, 1024, torch.float32, True)]
+        graph_cases = [FUSED_CASES.index(c) for c in picks]
+        fused_in = {i: _fused_input(rank, i, 0, device) for i in graph_cases}
+        plain_in = {k: _plain_input(rank, k, 0, device) for k in range(len(PLAIN_CASES))}
+        plans = [  # per graph: ("fused", case) or ("plain", case, in place)
+            [("fused", graph_cases[0]), ("plain", 1, False), ("fused", graph_cases[1])]
+            + [("plain", 3, True), ("fused", graph_cases[2]), ("fused", graph_cases[3])],
+            [("fused", graph_cases[4]), ("plain", 0, True), ("fused", graph_cases[5])]
+            + [("plain", 2, False), ("fused", graph_cases[2])],
+        ]
+
+        def run(plan: list[tuple]) -> list[tuple | torch.Tensor]:
+            return [
+                comm.all_reduce_add_rms_norm(*fused_in[step[1]], EPS)
+                if step[0] == "fused"
+                else _plain_call(comm, plain_in[step[1]], step[2])
+                for step in plan
+            ]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for plan in plans:
+                run(plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, outputs = [], []
+        for plan in plans:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs.append(run(plan))
+            graphs.append(graph)
+        for seed, order in enumerate(([0, 1], [1, 0, 1], [0, 0, 1], [1, 1, 0, 0]), start=1):
+            for i, inputs in fused_in.items():
+                for static, fresh in zip(inputs, _fused_input(rank, i, seed, device), strict=True):
+                    if static is not None:
+                        static.copy_(fresh)
+            for k, x in plain_in.items():
+                x.copy_(_plain_input(rank, k, seed, device))
+            for g in order:
+                graphs[g].replay()
+                eager = _fused_input(rank, (seed + g) % len(FUSED_CASES), 100 + seed, device)
+                got = comm.all_reduce_add_rms_norm(*eager, EPS)
+                _assert_bit_equal(got, _two_steps(comm, *eager), f"eager after replay {seed}")
+            for g, plan in enumerate(plans):
+                for step, got in zip(plan, outputs[g], strict=True):
+                    what = f"graph {g}, replay {seed}, {step}"
+                    if step[0] == "fused":
+                        _assert_bit_equal(got, _two_steps(comm, *fused_in[step[1]]), what)
+                    else:
+                        ref = _nccl_sum(plain_in[step[1]])
+                        torch.testing.assert_close(got, ref, msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_fused_all_reduce_add_rms_norm_is_bit_equal_to_the_two_steps() -> None:
+    ranks = mp.spawn(_fused_rank, args=(_free_port(),), nprocs=2, join=False)
+    _join_or_fail(ranks, FUSED_TEST_TIMEOUT_S)
+
+
+class _TwiceX:
+    """A communicator without a fused kernel, like SymmMemAllReduce; its "sum" is 2 x."""
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def test_a_communicator_without_the_fused_kernel_sums_then_norms() -> None:
+    tp = TPGroup(rank=0, size=2, symm_all_reduce=_TwiceX())  # type: ignore[arg-type]
+    x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64)
+    normed, s = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
+    torch.testing.assert_close(s, 2 * x + residual)
+    torch.testing.assert_close(normed, ops.rms_norm(2 * x + residual, weight, EPS))
+    normed, s = tp.all_reduce_add_rms_norm(x, None, weight, EPS)
+    torch.testing.assert_close(normed, ops.rms_norm(2 * x, weight, EPS))
+
+
+def _compile_for_hopper(kernel, signature: dict, constants: dict, num_warps: int):
+    """kernel as the launcher builds it for sm_90, every pointer (and tuple of pointers)
+    16-byte aligned and the ints named n_cols or stride_* specialised as multiples of 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = [["tt.divisibility", 16]]
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        if isinstance(kind, tuple):
+            attrs.update({(i, r): aligned for r in range(len(kind))})
+        elif kind.startswith("*") or name == "n_cols" or name.startswith("stride"):
+            attrs[(i,)] = aligned
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    return triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
+    )
+
+
+def _reduce_layout(ttgir: str) -> str:
+    """The layout of the tensor that the kernel's one tt.reduce sums."""
+    operand = re.search(r'"tt\.reduce".*?\(tensor<\d+xf32, (#\w+)>\)', ttgir, re.S)
+    assert operand, "no reduction"
+    return re.search(rf"^{operand.group(1)} = (.*)$", ttgir, re.M).group(1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    "dtype, hidden, world, residual",
+    [("bf16", 4096, 2, True), ("fp32", 1024, 4, False), ("bf16", 5120, 8, True)],
+)
+def test_fused_kernel_compiles_for_hopper_and_norms_like_the_norm_kernel(
+    dtype: str, hidden: int, world: int, residual: bool
+):
+    """No GPU needed: the fused kernel as launched for sm_90 meets the peers once, reads each
+    peer's row with 16-byte loads that skip L1, and reduces the sum of squares over the same
+    layout with the same instructions as ops/norm.py's kernel (so the same bits)."""
+    from minivllm.worker.layers import triton_all_reduce as tar
+    from minivllm.worker.ops import norm
+
+    size = {"bf16": 2, "fp32": 4}[dtype]
+    block = 1 << (hidden - 1).bit_length()
+    warps = tar.norm_warps(block)
+    tensors = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr")
+    strides = ("stride_x", "stride_res", "stride_out", "stride_new_res")
+    reference = _compile_for_hopper(
+        norm._rms_norm_kernel,
+        {**dict.fromkeys(tensors, f"*{dtype}"), **dict.fromkeys(strides, "i32")}
+        | {"n_cols": "i32", "eps": "fp32"},
+        {"BLOCK": block, "HAS_RESIDUAL": residual},
+        warps,
+    )
+    fused = _compile_for_hopper(
+        tar._one_shot_add_rms_norm_kernel,
+        dict.fromkeys(tensors, f"*{dtype}")
+        | {"bufs": (f"*{dtype}",) * world, "flag_table": "i64", "my_flags": "i64"}
+        | {"epochs": "*i32", "num_rows": "i32", "n_cols": "i32", "eps": "fp32"},
+        {
+            "RANK": world - 1,
+            "WORLD": world,
+            "MAX_BLOCKS": 132,
+            "LANES": 3 * (2 << 20) // size,  # a 2 MiB buffer
+            "LANE": tar.buffer_layout(2 << 20, 132, world)[1] // size,
+            "BLOCK": block,
+            "HAS_RESIDUAL": residual,
+        },
+        warps,
+    )
+    ptx = fused.asm["ptx"]
+    assert fused.asm["cubin"]
+    vectors_per_thread = block * size // 16 // (warps * 32)
+    assert len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)) == (world - 1) * vectors_per_thread
+    assert ptx.count("st.release.sys.global.u32") == 1
+    assert ptx.count("ld.acquire.sys.global.u32") == 1
+    assert "multimem" not in ptx
+    assert _reduce_layout(fused.asm["ttgir"]) == _reduce_layout(reference.asm["ttgir"])
+    norm_ops = r"^\s*((?:fma|shfl|div|rsqrt)\.[\w.]+)"
+    assert Counter(re.findall(norm_ops, ptx, re.M)) == Counter(
+        re.findall(norm_ops, reference.asm["ptx"], re.M)
+    )
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize(
     "dtype, world, in_place",
@@ -255,10 +587,6 @@ def test_triton_all_reduce_sums_like_nccl_eager_in_graphs_and_back_to_back() -> 
 def test_triton_all_reduce_kernel_compiles_for_hopper(dtype: str, world: int, in_place: bool):
     """No GPU needed: the kernel as launched for sm_90 assembles, reads every peer with 16-byte
     loads that skip L1, and meets the peers once (copy-in) or twice (in place)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from minivllm.worker.layers import triton_all_reduce as tar
 
     size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
@@ -280,14 +608,7 @@ def test_triton_all_reduce_kernel_compiles_for_hopper(dtype: str, world: int, in
         "VECTOR": 16 // size,
         "IN_PLACE": in_place,
     }
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    aligned = [["tt.divisibility", 16]]  # what the launcher finds: every tensor 16-byte aligned
-    attrs = {(0,): aligned, (1,): aligned, **{(2, r): aligned for r in range(world)}}
-    kernel = triton.compile(
-        ASTSource(tar._one_shot_kernel, signature, constants, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": tar.NUM_WARPS},
-    )
+    kernel = _compile_for_hopper(tar._one_shot_kernel, signature, constants, tar.NUM_WARPS)
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"]
     vectors_per_thread = tar.SLICE_BYTES // (tar.NUM_WARPS * 32 * 16)
@@ -296,3 +617,123 @@ def test_triton_all_reduce_kernel_compiles_for_hopper(dtype: str, world: int, in
     assert ptx.count("st.release.sys.global.u32") == meetings
     assert ptx.count("ld.acquire.sys.global.u32") == meetings
     assert "multimem" not in ptx
+
+
+# The fused kernel through the Triton interpreter on CPU: no meetings, no peers' memory, but
+# the same launches, lanes and rounding steps as on a GPU.
+@triton.jit
+def _no_meeting(flag_table, my_flags, row, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Stands in for the peers' meeting: the interpreter runs one rank at a time."""
+
+
+def _interpreted_ranks(world: int, max_bytes: int, max_blocks: int) -> list[TritonAllReduce]:
+    """`world` communicators over plain CPU buffers, laid out as the constructor lays out the
+    symmetric ones (which needs GPUs and a process group)."""
+    from minivllm.worker.layers import triton_all_reduce as tar
+
+    flag_bytes, lane_bytes, total = tar.buffer_layout(max_bytes, max_blocks, world)
+    buffers = [torch.full((total,), 0xFF, dtype=torch.uint8) for _ in range(world)]
+    comms = []
+    for rank in range(world):
+        comm = object.__new__(TritonAllReduce)
+        comm.rank, comm.world_size, comm.device = rank, world, torch.device("cpu")
+        comm.max_bytes, comm.max_blocks, comm.lane_bytes = max_bytes, max_blocks, lane_bytes
+        comm.buffer, comm._flag_table = buffers[rank], torch.zeros(world, dtype=torch.int64)
+        comm._data = {dt: tuple(b[flag_bytes:].view(dt) for b in buffers) for dt in tar.DTYPES}
+        comm._epochs = torch.zeros(max_blocks, dtype=torch.int32)
+        comm._row_epochs = torch.zeros(max_blocks, dtype=torch.int32)
+        comms.append(comm)
+    return comms
+
+
+def _interpreted_collective(comms: list[TritonAllReduce], call) -> list:
+    """call(comm) on every rank, twice from the same epochs: the first pass stages every
+    rank's input, the second reads them all (the interpreter runs one rank at a time, and
+    the meetings are skipped). The second pass's results, in rank order."""
+    epochs = [(c._epochs.clone(), c._row_epochs.clone()) for c in comms]
+    for _ in range(2):
+        results = []
+        for comm, (plain, rows) in zip(comms, epochs, strict=True):
+            comm._epochs.copy_(plain)
+            comm._row_epochs.copy_(rows)
+            results.append(call(comm))
+    return results
+
+
+def check_fused_interpreted() -> None:
+    """Fused calls of changing shapes between plain ones, on 2 and 3 ranks with 3 programs
+    (so programs loop over rows): each rank stages exactly its rows into its programs' lanes
+    of the epoch's parity and nothing else, every rank gets the same bits, and they equal
+    the plain kernel then ops/norm.py's kernel, bit for bit (the interpreter rounds to bf16
+    its own way, the same way in both)."""
+    from minivllm.worker.layers import triton_all_reduce as tar
+    from minivllm.worker.ops import norm
+
+    tar._meet_peers = _no_meeting
+    bf16, fp32 = torch.bfloat16, torch.float32
+    calls = [
+        (1, 64, bf16, True),
+        ((3, 8), bf16),
+        (7, 32, fp32, False),
+        (5, 48, bf16, True),  # a block of 64 for 48 columns
+        ((1000,), fp32),
+        (16, 64, fp32, True),  # the whole buffer
+        (4, 16, bf16, False),
+    ] * 2  # again, from the other parities
+    max_bytes, max_blocks = 4096, 3
+    for world in (2, 3):
+        comms = _interpreted_ranks(world, max_bytes, max_blocks)
+        flag_bytes, lane_bytes, _ = tar.buffer_layout(max_bytes, max_blocks, world)
+        gen = torch.Generator().manual_seed(world)
+        for n, call in enumerate(calls):
+            what = f"{world} ranks, call {n} {call}"
+            if len(call) == 2:
+                shape, dtype = call
+                xs = [torch.randn(shape, generator=gen).to(dtype) for _ in comms]
+                got = _interpreted_collective(comms, lambda c, xs=xs: c.all_reduce(xs[c.rank]))
+                torch.testing.assert_close(got[0], sum(x.float() for x in xs).to(dtype))
+                assert all(torch.equal(g, got[0]) for g in got), what
+                continue
+            rows, cols, dtype, with_residual = call
+            xs = [torch.randn(rows, cols, generator=gen).to(dtype) for _ in comms]
+            residual = torch.randn(rows, cols, generator=gen).to(dtype) if with_residual else None
+            weight = torch.randn(cols, generator=gen).to(dtype)
+            assert all(c.fits_rows(xs[c.rank], residual) for c in comms), what
+            before = [(c.buffer.clone(), c._row_epochs.clone()) for c in comms]
+            got = _interpreted_collective(
+                comms,
+                lambda c, xs=xs, r=residual, w=weight: c.all_reduce_add_rms_norm(
+                    xs[c.rank], r, w, EPS
+                ),
+            )
+            for c, (buffer, epochs) in zip(comms, before, strict=True):
+                for p in range(min(rows, max_blocks)):
+                    lane = 3 * max_bytes + ((int(epochs[p]) + 1) % 2 * max_blocks + p) * lane_bytes
+                    staged = xs[c.rank][p::max_blocks].contiguous().view(torch.uint8).flatten()
+                    start = flag_bytes + lane
+                    buffer[start : start + staged.numel()] = staged
+                assert torch.equal(c.buffer, buffer), f"{what}: rank {c.rank} staged elsewhere"
+
+            def two_steps(c, xs=xs, r=residual, w=weight):
+                s = c.all_reduce(xs[c.rank])
+                if r is None:
+                    return norm.rms_norm(s, w, EPS), s
+                return norm.fused_add_rms_norm(s, r, w, EPS)
+
+            want = _interpreted_collective(comms, two_steps)
+            for rank in range(world):
+                _assert_bit_equal(got[rank], want[rank], f"{what}: rank {rank}")
+                _assert_bit_equal(got[rank], got[0], f"{what}: rank {rank} against rank 0")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_fused_kernel_in_the_interpreter_stages_its_lanes_and_equals_the_two_steps() -> None:
+    run_interpreted(__file__)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    # the first pass of each collective sums peers' stale regions, which may overflow
+    warnings.filterwarnings("ignore", "overflow", RuntimeWarning)
+    check_fused_interpreted()

@@ -19,7 +19,8 @@ class TPGroup:
     `group` is a `torch.distributed` process group (None means the default group); it is
     only touched when size > 1, so a size-1 group needs no `torch.distributed` at all.
     `symm_all_reduce`, when set (CUDA, size > 1), sums the messages it fits (those of a
-    decode step) over symmetric memory; the others go to `group`.
+    decode step) over symmetric memory, the Triton one also fused with the add and RMSNorm
+    after it; the others go to `group`.
     """
 
     rank: int = 0
@@ -45,9 +46,15 @@ class TPGroup:
     def all_reduce_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """With s = the sum of x over the ranks (+ residual): (rms_norm(s) * weight, s)."""
+        """With s = the sum of x over the ranks (+ residual): (rms_norm(s) * weight, s). One
+        kernel where the communicator has one (the Triton one) and it takes x, with the bits
+        of that communicator's all_reduce and then the norm; else all_reduce, add, norm."""
         from minivllm.worker.layers import ops
 
+        comm = self.symm_all_reduce
+        fused = getattr(comm, "all_reduce_add_rms_norm", None)
+        if self.size > 1 and fused is not None and comm.fits_rows(x, residual):
+            return fused(x, residual, weight, eps)
         x = self.all_reduce(x)
         if residual is None:
             return ops.rms_norm(x, weight, eps), x

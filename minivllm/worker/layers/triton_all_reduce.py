@@ -1,9 +1,11 @@
 """One-shot all-reduce in Triton over symmetric (peer-mapped) GPU memory, for the messages of
-a decode step on 2-8 GPUs of one host.
+a decode step on 2-8 GPUs of one host; and the same all-reduce fused with the residual add
+and RMSNorm that follow it in a decoder (`all_reduce_add_rms_norm`).
 
 Every rank owns one symmetric buffer; its peers have it mapped and read it directly. The
-message is cut into 16 KiB slices, and slice s always belongs to program s % max_blocks (at
-most one program per SM, so a launch never waits for its own programs to finish). A program:
+plain kernel cuts the message into 16 KiB slices, and slice s always belongs to program
+s % max_blocks (at most one program per SM, so a launch never waits for its own programs to
+finish). A program:
 
   1. copies its slices of the local input into this rank's buffer (skipped when the input
      already lives there: the view `buffer_for` hands out);
@@ -15,27 +17,43 @@ most one program per SM, so a launch never waits for its own programs to finish)
   4. only when the input was read in place: meets the peers once more, so that no rank
      returns, and lets its producer overwrite the buffer, before the peers have read it.
 
-Epochs: each program keeps a counter in device memory (`epochs`, one per program), raised by
-one per call that runs it. All ranks make the same calls with the same shapes, so program b's
-counter is equal on every rank, and a flag that has reached the caller's epoch means the peer
-has arrived. A peer may be one call ahead (it may pass this program's barrier and, in copy-in
-mode, enter its next call), so a waiter accepts any flag >= its epoch (32-bit wraparound
-compare); it can never be two calls ahead, as that needs this rank's next signal. Nothing is
-reset and the host keeps no count, so back-to-back calls, eager calls between CUDA graph
-replays and several graphs replayed in any order all work.
+The fused kernel takes [T, H] rows, as the norm needs whole rows: row t always belongs to
+program t % max_blocks, which stages its rows one after another in its own lane of the
+buffer (a lane holds its share of a max_bytes message and a row of 16 KiB more), meets the
+peers as in step 2, and per row sums in rank order exactly as step 3, rounds to the dtype,
+adds the residual (rounded to the dtype: the new residual), and normalises in fp32 with the
+rounding steps of ops/norm.py, whose kernel it mirrors (same block, warps and reduction
+layout), so its outputs are bit-equal to `all_reduce` then `ops.fused_add_rms_norm`. It
+has its own flags, its own epochs and its own two staging regions: the two kernels share
+nothing but the peer mappings, so each one's argument below holds for its own calls,
+whatever the other does in between (another kernel on the stream only adds to the ordering
+the argument uses).
 
-Buffer reuse: the copy-in path needs no second barrier, because it alternates between two
-staging regions by the parity of the program's epoch. A rank enters a call with the same
-parity for a slice only two calls later (the slice's program is fixed); the call between ends
-on this rank only after the peer's same program signalled in it, i.e. after the peer's
-previous kernel, the one that read the region, had finished. The in-place path writes a third
-region, which the producer fills before the kernel starts; there the second barrier is what
-keeps the producer of the next call from overwriting data a peer is still reading.
+Epochs: each program keeps a counter in device memory (`epochs`, one per program and kernel),
+raised by one per call that runs it. All ranks make the same calls with the same shapes, so
+program b's counter is equal on every rank, and a flag that has reached the caller's epoch
+means the peer has arrived. A peer may be one call ahead (it may pass this program's barrier
+and, in copy-in mode, enter its next call), so a waiter accepts any flag >= its epoch (32-bit
+wraparound compare); it can never be two calls ahead, as that needs this rank's next signal.
+Nothing is reset and the host keeps no count, so back-to-back calls, eager calls between CUDA
+graph replays and several graphs replayed in any order all work.
 
-Contract: every rank calls `all_reduce` in the same order with the same shapes and dtypes, on
-one stream (or inside CUDA graphs captured from one stream). Launches never allocate beyond
-the output tensor and never synchronise with the host; the grid depends only on the shape.
-NVLink multicast (multimem) is never used.
+Buffer reuse: the copy-in paths need no second barrier, because each alternates between two
+staging regions by the parity of the program's epoch. The bytes a program stages to are its
+own whatever the shape (its slices; its lane, which no other program touches), so a rank
+enters a call that writes the same bytes in the same region only two of that program's
+calls later; the call between ends on this rank only after the peer's same program
+signalled in it, i.e. after the peer's previous kernel, the one that read the region, had
+finished. (Staging rows at their offset in the message would break this: after a change of
+row length, a program could write bytes that another program, whose epoch had the same
+parity, staged in the call before and a peer is still reading.) The in-place path writes a
+third region, which the producer fills before the kernel starts; there the second barrier
+is what keeps the producer of the next call from overwriting data a peer is still reading.
+
+Contract: every rank calls `all_reduce` and `all_reduce_add_rms_norm` in the same order with
+the same shapes and dtypes, on one stream (or inside CUDA graphs captured from one stream).
+Launches never allocate beyond their outputs and never synchronise with the host; the grid
+depends only on the shape. NVLink multicast (multimem) is never used.
 """
 
 from __future__ import annotations
@@ -54,7 +72,7 @@ from minivllm.worker.layers.symm_all_reduce import (
     create_or_none,
     on_every_rank,
 )
-from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
+from minivllm.worker.ops._triton import HAS_TRITON, next_power_of_2, tl, triton
 
 T = TypeVar("T")
 
@@ -64,6 +82,9 @@ SLICE_BYTES = 16 << 10  # what one program sums per round: 512 threads x 2 vecto
 NUM_WARPS = 16
 _VECTOR = 16  # bytes per load and store; inputs, outputs and regions are aligned to it
 _FLAG_ALIGN = 4096  # the flags lead the buffer; the data regions start on this boundary
+MAX_ROW = 16384  # the longest row all_reduce_add_rms_norm takes: one program's block
+_ROW_ROOM = 16 << 10  # bytes a lane holds beyond its share of max_bytes: any row up to this
+_LANE_ALIGN = 1024
 
 
 @triton.jit
@@ -162,14 +183,90 @@ def _one_shot_kernel(
     tl.store(epochs + pid, epoch)
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _one_shot_add_rms_norm_kernel(
+    x_ptr,  # [num_rows, n_cols]: this rank's part of the sum
+    res_ptr,  # [num_rows, n_cols]: the residual (read when HAS_RESIDUAL)
+    w_ptr,  # [n_cols]: the norm's weight
+    out_ptr,  # [num_rows, n_cols]: rms_norm(s) * weight
+    new_res_ptr,  # [num_rows, n_cols]: s, the sum over the ranks (+ residual)
+    bufs,  # WORLD tensors: each rank's data area (the lanes start at LANES)
+    flag_table,  # device address of WORLD addresses: each rank's flags
+    my_flags,  # device address of this rank's flags
+    epochs,  # int32[MAX_BLOCKS]: this kernel's calls run so far, per program (this rank only)
+    num_rows,
+    n_cols,
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
+    LANES: tl.constexpr,  # where region 3 (lanes of the even epochs) starts, in elements
+    LANE: tl.constexpr,  # elements per lane; region 4 (odd epochs) follows region 3
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(epochs + pid) + 1
+    lane = LANES + ((epoch & 1) * MAX_BLOCKS + pid) * LANE
+    my_rows = tl.cdiv(num_rows - pid, MAX_BLOCKS)  # rows pid, pid + MAX_BLOCKS, ...
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    for j in range(my_rows):
+        x = tl.load(x_ptr + (pid + j * MAX_BLOCKS) * n_cols + cols, mask=mask)
+        tl.store(bufs[RANK] + lane + j * n_cols + cols, x, mask=mask)
+    tl.debug_barrier()  # every thread's copy precedes the release below
+    _meet_peers(flag_table, my_flags, (2 * MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
+    tl.debug_barrier()  # the acquiring threads' view passes to the whole program
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in range(my_rows):
+        row = (pid + j * MAX_BLOCKS) * n_cols
+        acc = tl.zeros([BLOCK], tl.float32)  # the plain kernel's sum, bit for bit
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+            else:  # .cg: straight from the peer, never a stale L1 line
+                staged = bufs[r] + lane + j * n_cols + cols
+                acc += tl.load(staged, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        # from here ops/norm.py's kernel, step for step
+        s = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+            s = (s.to(tl.float32) + res.to(tl.float32)).to(s.dtype)
+        tl.store(new_res_ptr + row + cols, s, mask=mask)
+        xf = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+        normed = (xf * rstd).to(s.dtype).to(tl.float32)
+        tl.store(out_ptr + row + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(epochs + pid, epoch)
+
+
+def buffer_layout(max_bytes: int, max_blocks: int, world_size: int) -> tuple[int, int, int]:
+    """(flag bytes, lane bytes, total bytes) of each rank's buffer. The flags lead it: a row
+    per program for each meeting (the plain kernel's two, then the fused kernel's). Then the
+    data: regions 0 (in place), 1 and 2 (copy-in, by parity) of max_bytes for the plain
+    kernel; regions 3 and 4 (by parity) of max_blocks lanes for the fused one, a lane holding
+    its program's share of a max_bytes message and a row of up to _ROW_ROOM bytes more."""
+    flag_bytes = -(-3 * max_blocks * world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
+    share, room = -(-max_bytes // max_blocks), min(max_bytes, _ROW_ROOM)
+    lane_bytes = sum(-(-n // _LANE_ALIGN) * _LANE_ALIGN for n in (share, room))
+    return flag_bytes, lane_bytes, flag_bytes + 3 * max_bytes + 2 * max_blocks * lane_bytes
+
+
+def norm_warps(block: int) -> int:
+    """The warps ops/norm.py launches its kernel with for a row block; the fused kernel must
+    use the same, or its sum of squares reduces in another order (other bits)."""
+    return min(16, max(1, block // 256))
+
+
 class TritonAllReduce:
     """Sums tensors of at most `max_bytes` over `group` with the one-shot Triton kernel.
 
     The constructor is collective: every rank of the group calls it, and if any rank cannot
     set it up, every rank raises SymmMemUnavailable. `all_reduce` takes only tensors `fits`
-    accepts and, like any collective, must be called by every rank in the same order.
-    To skip the copy into the symmetric buffer, write the message into `buffer_for(shape,
-    dtype)` and pass that view to `all_reduce`.
+    accepts, `all_reduce_add_rms_norm` only rows `fits_rows` accepts; like any collective,
+    both must be called by every rank in the same order. To skip the copy into the symmetric
+    buffer, write the message into `buffer_for(shape, dtype)` and pass that view to
+    `all_reduce`.
     """
 
     algorithm = "triton"
@@ -195,8 +292,9 @@ class TritonAllReduce:
         facts = self._gather(index, torch.cuda.get_device_properties(index).multi_processor_count)
         self._agree(lambda: check_peer_access(index, [f[0] for f in facts]))
         self.max_blocks = min(f[1] for f in facts)
-        flag_bytes = -(-2 * self.max_blocks * self.world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
-        total = flag_bytes + 3 * self.max_bytes
+        flag_bytes, self.lane_bytes, total = buffer_layout(
+            self.max_bytes, self.max_blocks, self.world_size
+        )
         self.buffer = self._agree(
             lambda: symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         )
@@ -207,12 +305,12 @@ class TritonAllReduce:
         offset = self._agree(lambda: self.buffer.data_ptr() - handle.buffer_ptrs[self.rank])
         offsets = [f[0] for f in self._gather(offset)]
         peers = self._agree(lambda: self._map_peers(handle, offsets, total))
-        # each rank's flags lead its buffer; then its data: regions 0 (in place), 1 and 2
         self._flag_table = torch.tensor(
             [p.data_ptr() for p in peers], dtype=torch.int64, device=self.device
         )
         self._data = {dtype: tuple(p[flag_bytes:].view(dtype) for p in peers) for dtype in DTYPES}
         self._epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
+        self._row_epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
         self._agree(self._check_sum)
 
     @classmethod
@@ -230,6 +328,34 @@ class TritonAllReduce:
             and x.device == self.device
             and x.is_contiguous()
             and x.data_ptr() % _VECTOR == 0
+        )
+
+    def fits_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether all_reduce_add_rms_norm takes x [T, H] (and residual, alike): a dtype it
+        has, contiguous and 16-byte aligned, at most max_bytes, H a multiple of 16 up to
+        MAX_ROW, and each program's rows within its lane."""
+        if x.dim() != 2 or x.dtype not in DTYPES or x.device != self.device:
+            return False
+        rows, cols = x.shape
+        row_bytes = cols * x.element_size()
+        return (
+            rows > 0
+            and 0 < cols <= MAX_ROW
+            and cols % 16 == 0  # norm.py's row stride is then 16-divisible: the same layout
+            and rows * row_bytes <= self.max_bytes
+            and -(-rows // self.max_blocks) * row_bytes <= self.lane_bytes
+            and x.is_contiguous()
+            and x.data_ptr() % _VECTOR == 0
+            and (
+                residual is None
+                or (
+                    residual.shape == x.shape
+                    and residual.dtype == x.dtype
+                    and residual.device == x.device
+                    and residual.is_contiguous()
+                    and residual.data_ptr() % _VECTOR == 0
+                )
+            )
         )
 
     def buffer_for(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -265,6 +391,43 @@ class TritonAllReduce:
         )
         return out
 
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(s) * weight, s) with s = the sum of x over the group (+ residual), in new
+        tensors and one launch; bit-equal to all_reduce(x) then ops.fused_add_rms_norm (or
+        ops.rms_norm, and s itself, without a residual). Takes only what fits_rows accepts;
+        x and residual are left as they were."""
+        rows, cols = x.shape
+        if weight.shape != (cols,) or not weight.is_contiguous() or weight.device != x.device:
+            raise ValueError(f"the norm weight must be [{cols}] contiguous on {x.device}")
+        out, new_residual = torch.empty_like(x), torch.empty_like(x)
+        size = x.element_size()
+        block = next_power_of_2(cols)
+        _one_shot_add_rms_norm_kernel[(min(rows, self.max_blocks),)](
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            new_residual,
+            self._data[x.dtype],
+            self._flag_table.data_ptr(),
+            self.buffer.data_ptr(),
+            self._row_epochs,
+            rows,
+            cols,
+            eps,
+            RANK=self.rank,
+            WORLD=self.world_size,
+            MAX_BLOCKS=self.max_blocks,
+            LANES=3 * self.max_bytes // size,
+            LANE=self.lane_bytes // size,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=norm_warps(block),
+        )
+        return out, new_residual
+
     def _zero_flags(self, flag_bytes: int) -> None:
         self.buffer[:flag_bytes].zero_()
         torch.cuda.synchronize(self.device)  # done before any peer can signal into them
@@ -285,12 +448,20 @@ class TritonAllReduce:
 
     def _check_sum(self) -> None:
         size = self.world_size
-        for dtype in DTYPES:
-            x = torch.full((SLICE_BYTES // dtype.itemsize + 64,), self.rank + 1.0, dtype=dtype)
+        for dtype in DTYPES:  # two programs' worth where the buffer has room
+            numel = min(SLICE_BYTES + 256, self.max_bytes) // dtype.itemsize
+            x = torch.full((numel,), self.rank + 1.0, dtype=dtype)
             staged = self.buffer_for(x.shape, dtype)
             for got in (self.all_reduce(x.to(self.device)), self.all_reduce(staged.copy_(x))):
                 if not bool((got == size * (size + 1) / 2).all()):
                     raise RuntimeError(f"a test all-reduce of {dtype} returned a wrong sum")
+        # the fused kernel: a constant row c normalises to c / sqrt(c^2 + eps), about 1
+        x = torch.full((2, 64), self.rank + 1.0, device=self.device)
+        residual, weight = torch.ones_like(x), torch.ones(64, device=self.device)
+        if self.fits_rows(x, residual):
+            normed, s = self.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+            if not bool((s == size * (size + 1) / 2 + 1).all() and (normed - 1).abs().max() < 1e-3):
+                raise RuntimeError("a test all-reduce + RMSNorm returned a wrong result")
 
     def _agree(self, step: Callable[[], T]) -> T:
         return on_every_rank(self.group, self.device, step)
