@@ -83,6 +83,10 @@ def _nccl_group(rank: int, port: int) -> Iterator[torch.device]:
 
 
 def _gpu_rank(rank: int, port: int) -> None:
+    import faulthandler
+
+    # where a rank is stuck, printed before the test's deadline kills it
+    faulthandler.dump_traceback_later(100, exit=True)
     with _nccl_group(rank, port) as device:
         group = dist.group.WORLD
         comms = []  # kept alive: the engine never frees its buffer either

@@ -1,5 +1,6 @@
 """Tensor parallelism across worker processes (gloo on CPU): the same greedy tokens as one
-rank, and a dead rank brings the engine down cleanly instead of hanging its peers."""
+rank, and a dead rank brings the engine down cleanly instead of hanging its peers — on 2 GPUs
+too, where the survivor may be spinning in the all-reduce kernel's barrier for good."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 import uvloop
 
 from minivllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
@@ -32,9 +34,18 @@ def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_killing_one_rank_reaches_every_caller(qwen3_dir: str) -> None:
+_TWO_GPUS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"), [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=_TWO_GPUS)]
+)
+def test_killing_one_rank_reaches_every_caller(qwen3_dir: str, device: str, dtype: str) -> None:
     llm = AsyncLLM.from_engine_args(
-        EngineArgs(model=qwen3_dir, dtype="float32", tensor_parallel_size=2)
+        EngineArgs(model=qwen3_dir, dtype=dtype, tensor_parallel_size=2, device=device)
     )
     core = spawned_children(os.getpid())[-1]
     workers = spawned_children(core)
