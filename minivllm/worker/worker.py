@@ -91,5 +91,7 @@ class Worker:
         if self.config.parallel.tensor_parallel_size > 1:
             import torch.distributed as dist
 
-            if dist.is_initialized():
+            # With symmetric-memory buffers still mapped, destroying the NCCL group was seen
+            # to block (2 x H200); the process exits right after this, which frees both.
+            if dist.is_initialized() and self.tp.symm_all_reduce is None:
                 dist.destroy_process_group()
