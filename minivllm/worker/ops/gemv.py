@@ -34,13 +34,20 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _normed_slice(x_row, res_row, new_res_row, nw_ptr, k, offs_k, rstd, write_res,
-                  HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+def _residual_slice(x_row, res_row, new_res_row, k, offs_k, write_res, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual, rounded to the dtype) over one K slice; stored as the new residual
+    stream when write_res (one program does)."""
     h = tl.load(x_row + k + offs_k)
     if HAS_RESIDUAL:
         h = (h.to(tl.float32) + tl.load(res_row + k + offs_k).to(tl.float32)).to(h.dtype)
         if write_res:
             tl.store(new_res_row + k + offs_k, h)
+    return h
+
+
+@triton.jit
+def _scaled_slice(h, rstd, nw_ptr, k, offs_k):
+    """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot."""
     normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
     nw = tl.load(nw_ptr + k + offs_k).to(tl.float32)
     return (normed * nw).to(h.dtype).to(tl.float32)
@@ -63,26 +70,19 @@ def _gemv_kernel(
             # K fits one slice (hidden 1024): the weights are loaded first, so the time they
             # take to arrive covers the norm's loads and its sum over the row
             w = tl.load(w_ptrs)
-            h = tl.load(x_row + offs_k)
-            if HAS_RESIDUAL:
-                h = (h.to(tl.float32) + tl.load(res_ptr + m * K + offs_k).to(tl.float32)).to(
-                    h.dtype
-                )
-                if pid == 0:
-                    tl.store(new_res_ptr + m * K + offs_k, h)
+            h = _residual_slice(
+                x_row, res_ptr + m * K, new_res_ptr + m * K, 0, offs_k, pid == 0, HAS_RESIDUAL
+            )
             hf = h.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
-            nw = tl.load(nw_ptr + offs_k).to(tl.float32)
-            x = ((hf * rstd).to(h.dtype).to(tl.float32) * nw).to(h.dtype).to(tl.float32)
-            acc = w.to(tl.float32) * x[None, :]
+            acc = w.to(tl.float32) * _scaled_slice(h, rstd, nw_ptr, 0, offs_k)[None, :]
         else:
             rstd = 0.0
             if PROLOGUE == 1:  # the row's sum of squares first, in a pass of its own
                 ss = tl.zeros([BLOCK_K], dtype=tl.float32)
                 for k in range(0, K, BLOCK_K):
-                    h = tl.load(x_row + k + offs_k)
-                    if HAS_RESIDUAL:
-                        h = (h.to(tl.float32) + tl.load(res_ptr + m * K + k + offs_k)).to(h.dtype)
+                    h = _residual_slice(x_row, res_ptr + m * K, x_row, k, offs_k, False,
+                                        HAS_RESIDUAL)  # fmt: skip
                     hf = h.to(tl.float32)
                     ss += hf * hf
                 rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
@@ -90,10 +90,9 @@ def _gemv_kernel(
             for k in range(0, K, BLOCK_K):
                 w = tl.load(w_ptrs + k)
                 if PROLOGUE == 1:
-                    x = _normed_slice(
-                        x_row, res_ptr + m * K, new_res_ptr + m * K, nw_ptr, k, offs_k, rstd,
-                        pid == 0, HAS_RESIDUAL,
-                    )  # fmt: skip
+                    h = _residual_slice(x_row, res_ptr + m * K, new_res_ptr + m * K, k, offs_k,
+                                        pid == 0, HAS_RESIDUAL)  # fmt: skip
+                    x = _scaled_slice(h, rstd, nw_ptr, k, offs_k)
                 elif PROLOGUE == 2:
                     gate = tl.load(x_row + k + offs_k).to(tl.float32)
                     up = tl.load(x_row + K + k + offs_k)
