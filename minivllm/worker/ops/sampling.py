@@ -86,60 +86,12 @@ def _sample_kernel(
     tile_start = first_tile + chunk * tiles_per_chunk
     for tile in range(tile_start, tl.minimum(tile_start + tiles_per_chunk, end_tile)):
         counter = (tile * QUARTER + offs).to(tl.uint32)
-        r0, r1, r2, r3 = tl.philox(seed, counter, pos_lo, pos_hi, zero)
-        base = tile * 4 * QUARTER + offs
-        best_val, best_idx = _gumbel_quarter(
-            logits_row,
-            base,
-            vocab_start,
-            vocab_end,
-            r0,
-            greedy,
-            inv_t,
-            threshold,
-            best_val,
-            best_idx,
-            FAST,
-        )
-        best_val, best_idx = _gumbel_quarter(
-            logits_row,
-            base + QUARTER,
-            vocab_start,
-            vocab_end,
-            r1,
-            greedy,
-            inv_t,
-            threshold,
-            best_val,
-            best_idx,
-            FAST,
-        )
-        best_val, best_idx = _gumbel_quarter(
-            logits_row,
-            base + 2 * QUARTER,
-            vocab_start,
-            vocab_end,
-            r2,
-            greedy,
-            inv_t,
-            threshold,
-            best_val,
-            best_idx,
-            FAST,
-        )
-        best_val, best_idx = _gumbel_quarter(
-            logits_row,
-            base + 3 * QUARTER,
-            vocab_start,
-            vocab_end,
-            r3,
-            greedy,
-            inv_t,
-            threshold,
-            best_val,
-            best_idx,
-            FAST,
-        )
+        bits = tl.philox(seed, counter, pos_lo, pos_hi, zero)  # one uint32 per quarter
+        for q in tl.static_range(4):
+            best_val, best_idx = _gumbel_quarter(
+                logits_row, tile * 4 * QUARTER + q * QUARTER + offs, vocab_start, vocab_end,
+                bits[q], greedy, inv_t, threshold, best_val, best_idx, FAST,
+            )  # fmt: skip
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
     tl.store(part_val_ptr + row * num_chunks + chunk, top)
