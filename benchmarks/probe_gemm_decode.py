@@ -14,32 +14,19 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_replay_ms
+from graph_timing import QWEN3_0_6B_LINEARS, layer_weights
+from graph_timing import per_layer_us as graph_us
 
-SHAPES = {
-    "qkv": (4096, 1024),
-    "o_proj": (1024, 2048),
-    "gate_up": (6144, 1024),
-    "down": (1024, 3072),
-}
-LAYERS = 28
 COPY_TBPS = 2.95  # the H100's measured device copy bandwidth (read + write)
-
-
-def graph_us(fn) -> float:
-    return graph_replay_ms(fn, reps=10) * 1e3 / LAYERS
 
 
 def main() -> None:
     torch.manual_seed(0)
     rows = (64, 128, 256)
-    weights = {
-        name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
-        for name, (n, k) in SHAPES.items()
-    }
+    weights = layer_weights()
     print(f"{'shape':<9}{'M':>5}{'bound':>8}{'cuBLAS':>9}{'cuBLASLt':>10}{'autotune':>10}  (µs)")
     totals: dict[str, dict[int, list[float]]] = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in QWEN3_0_6B_LINEARS.items():
         ws = weights[name]
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")

@@ -16,24 +16,20 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_replay_ms
+from graph_timing import LAYERS, layer_weights
+from graph_timing import QWEN3_0_6B_LINEARS as SHAPES
+from graph_timing import per_layer_us as graph_us
 
 from minivllm.worker.ops.activation import silu_and_mul
-from minivllm.worker.ops.gemv import GemvConfig, gemv, gemv_fits, gemv_rms_norm, gemv_silu_mul
+from minivllm.worker.ops.gemv import (
+    GemvConfig,
+    gemv,
+    gemv_config,
+    gemv_fits,
+    gemv_rms_norm,
+    gemv_silu_mul,
+)
 from minivllm.worker.ops.norm import fused_add_rms_norm
-
-SHAPES = {
-    "qkv": (4096, 1024),
-    "o_proj": (1024, 2048),
-    "gate_up": (6144, 1024),
-    "down": (1024, 3072),
-}
-LAYERS = 28
-
-
-def graph_us(fn) -> float:
-    """µs per call: `fn` makes one call per layer."""
-    return graph_replay_ms(fn, reps=10) * 1e3 / LAYERS
 
 
 def main() -> None:
@@ -46,8 +42,9 @@ def main() -> None:
     ]
     total = {"cuBLAS": 0.0, "best": 0.0}
     top3: list[GemvConfig] = []
+    weights = layer_weights()
     for name, (n, k) in SHAPES.items():
-        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
+        ws = weights[name]
         for m in (1, 2, 4):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             ref = F.linear(x, ws[0])
@@ -80,10 +77,7 @@ def fused_layers() -> None:
     """A decode layer's linears at M=1, 28 layers' weights in turn: norm / activation kernels
     plus plain GEMVs, against the GEMVs with the prologues (per config of the fused ones)."""
     torch.manual_seed(0)
-    ws = {
-        name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
-        for name, (n, k) in SHAPES.items()
-    }
+    ws = layer_weights()
     h = torch.randn(1, 1024, dtype=torch.bfloat16, device="cuda")
     res = torch.randn_like(h)
     nw = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
@@ -92,8 +86,7 @@ def fused_layers() -> None:
     base = GemvConfig(4, 1024, 8, 2)
 
     def cfg(name: str) -> GemvConfig:
-        n, k = SHAPES[name]
-        return GemvConfig(4, 1024 if k % 1024 == 0 else 512, 8 if n <= 2048 else 4, 2)
+        return gemv_config(*SHAPES[name])  # what the layers use
 
     def separate() -> None:
         for i in range(LAYERS):
