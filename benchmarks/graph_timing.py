@@ -2,8 +2,8 @@
 
 Replaying removes the host's launch cost, so small kernels are timed as they run inside the
 engine's decode graphs. Also the Qwen3-0.6B layer's linear shapes and distinct per-layer
-weights that the GEMM probes time. Shared by the probes in this folder (run them as scripts, which puts
-this folder on sys.path).
+weights that the GEMM probes time. Shared by the probes in this folder (run them as
+scripts, which puts this folder on sys.path).
 """
 
 from __future__ import annotations
