@@ -34,6 +34,12 @@ def _rms_norm_kernel(
     )
 
 
+def norm_warps(block: int) -> int:
+    """Warps for a row block. Kernels that must match this one bit for bit (the TP
+    all-reduce fused with the norm) use the same: other warps reduce in another order."""
+    return min(16, max(1, block // 256))
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -56,7 +62,7 @@ def _launch(
         x2, x2 if res2 is None else res2, weight, out2, out2 if new_res2 is None else new_res2,
         x2.stride(0), 0 if res2 is None else res2.stride(0), out2.stride(0),
         0 if new_res2 is None else new_res2.stride(0), n_cols, eps,
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
+        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=norm_warps(block),
     )  # fmt: skip
     return out, new_res
 
