@@ -57,10 +57,7 @@ def rms_norm_linear(
     cfg = _gemv_config(x, weight, x.shape[-1]) if bias is None else None
     if cfg is not None and (residual is None or (x.is_contiguous() and residual.is_contiguous())):
         return _triton_gemv.gemv_rms_norm(x, residual, norm_weight, eps, weight, cfg)
-    if residual is None:
-        normed, residual = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), residual
 
 
@@ -92,6 +89,16 @@ def fused_add_rms_norm(
         return _triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm`, or without a residual (rms_norm(x), x): a decoder's norm and
+    the residual stream after it, whether or not a stream exists yet."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,7 @@ class TPGroup:
         fused = getattr(comm, "all_reduce_add_rms_norm", None)
         if self.size > 1 and fused is not None and comm.fits_rows(x, residual):
             return fused(x, residual, weight, eps)
-        x = self.all_reduce(x)
-        if residual is None:
-            return ops.rms_norm(x, weight, eps), x
-        return ops.fused_add_rms_norm(x, residual, weight, eps)
+        return ops.add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along dim, in rank order; every rank gets the result."""
