@@ -55,9 +55,10 @@ def _reduce_layout(ttgir: str) -> str:
 def test_fused_kernel_compiles_for_hopper_and_norms_like_the_norm_kernel(
     dtype: str, hidden: int, world: int, residual: bool
 ):
-    """No GPU needed: the fused kernel as launched for sm_90 meets the peers once, reads each
-    peer's row with 16-byte loads that skip L1, and reduces the sum of squares over the same
-    layout with the same instructions as ops/norm.py's kernel (so the same bits)."""
+    """No GPU needed: the fused kernel as launched for sm_90 pushes its row to each peer and
+    reads what each peer pushed with 16-byte stores and loads (the loads skip L1), meets the
+    peers once, and reduces the sum of squares over the same layout with the same
+    instructions as ops/norm.py's kernel (so the same bits)."""
     from minivllm.worker.layers import triton_all_reduce as tar
     from minivllm.worker.ops import norm
 
@@ -93,6 +94,8 @@ def test_fused_kernel_compiles_for_hopper_and_norms_like_the_norm_kernel(
     assert fused.asm["cubin"]
     vectors_per_thread = block * size // 16 // (warps * 32)
     assert len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)) == (world - 1) * vectors_per_thread
+    # 16-byte stores: the row to each peer, then the new residual and the output
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == (world + 1) * vectors_per_thread
     assert ptx.count("st.release.sys.global.u32") == 1
     assert ptx.count("ld.acquire.sys.global.u32") == 1
     assert "multimem" not in ptx
@@ -186,8 +189,8 @@ def _interpreted_collective(comms: list[TritonAllReduce], call) -> list:
 
 def check_fused_interpreted() -> None:
     """Fused calls of changing shapes between plain ones, on 2 and 3 ranks with 3 programs
-    (so programs loop over rows): each rank stages exactly its rows into its programs' lanes
-    of the epoch's parity and nothing else, every rank gets the same bits, and they equal
+    (so programs loop over rows): each rank pushes exactly its rows into its programs' lanes
+    on every peer, in the region of the epoch's parity, and nothing else, every rank gets the same bits, and they equal
     the plain kernel then ops/norm.py's kernel, bit for bit (the interpreter rounds to bf16
     its own way, the same way in both)."""
     from minivllm.worker.layers import triton_all_reduce as tar
@@ -232,12 +235,16 @@ def check_fused_interpreted() -> None:
                 ),
             )
             for c, (buffer, epochs) in zip(comms, before, strict=True):
-                for p in range(min(rows, max_blocks)):
-                    lane = 3 * max_bytes + ((int(epochs[p]) + 1) % 2 * max_blocks + p) * lane_bytes
-                    staged = xs[c.rank][p::max_blocks].contiguous().view(torch.uint8).flatten()
-                    start = flag_bytes + lane
-                    buffer[start : start + staged.numel()] = staged
-                assert torch.equal(c.buffer, buffer), f"{what}: rank {c.rank} staged elsewhere"
+                for sender in range(world):
+                    if sender == c.rank:
+                        continue  # a rank reads its own rows where they are
+                    for p in range(min(rows, max_blocks)):
+                        region = (int(epochs[p]) + 1) % 2 * world * max_blocks
+                        lane = 3 * max_bytes + (region + sender * max_blocks + p) * lane_bytes
+                        pushed = xs[sender][p::max_blocks].contiguous().view(torch.uint8)
+                        start = flag_bytes + lane
+                        buffer[start : start + pushed.numel()] = pushed.flatten()
+                assert torch.equal(c.buffer, buffer), f"{what}: rank {c.rank} got rows elsewhere"
 
             def two_steps(c, xs=xs, r=residual, w=weight):
                 s = c.all_reduce(xs[c.rank])
@@ -252,7 +259,7 @@ def check_fused_interpreted() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_fused_kernel_in_the_interpreter_stages_its_lanes_and_equals_the_two_steps() -> None:
+def test_fused_kernel_in_the_interpreter_pushes_into_its_lanes_and_equals_the_two_steps() -> None:
     run_interpreted(__file__)
 
 

@@ -18,9 +18,12 @@ finish). A program:
      returns, and lets its producer overwrite the buffer, before the peers have read it.
 
 The fused kernel takes [T, H] rows, as the norm needs whole rows: row t always belongs to
-program t % max_blocks, which stages its rows one after another in its own lane of the
-buffer (a lane holds its share of a max_bytes message and a row of 16 KiB more), meets the
-peers as in step 2, and per row sums in rank order exactly as step 3, rounds to the dtype,
+program t % max_blocks. It pushes instead of pulling: the program stores its rows, one after
+another, into its own lane of every peer's buffer (a lane per sender and program, holding
+its share of a max_bytes message and a row of 16 KiB more), so the slow traffic over NVLink
+is posted stores that nothing waits on until the meeting; it meets the peers as in step 2,
+whose release now also publishes those stores; then it reads what every peer pushed from
+its own memory and per row sums in rank order exactly as step 3, rounds to the dtype,
 adds the residual (rounded to the dtype: the new residual), and normalises in fp32 with the
 rounding steps of ops/norm.py, whose kernel it mirrors (same block, warps and reduction
 layout), so its outputs are bit-equal to `all_reduce` then `ops.fused_add_rms_norm`. It
@@ -40,15 +43,16 @@ graph replays and several graphs replayed in any order all work.
 
 Buffer reuse: the copy-in paths need no second barrier, because each alternates between two
 staging regions by the parity of the program's epoch. The bytes a program stages to are its
-own whatever the shape (its slices; its lane, which no other program touches), so a rank
-enters a call that writes the same bytes in the same region only two of that program's
-calls later; the call between ends on this rank only after the peer's same program
-signalled in it, i.e. after the peer's previous kernel, the one that read the region, had
-finished. (Staging rows at their offset in the message would break this: after a change of
-row length, a program could write bytes that another program, whose epoch had the same
-parity, staged in the call before and a peer is still reading.) The in-place path writes a
-third region, which the producer fills before the kernel starts; there the second barrier
-is what keeps the producer of the next call from overwriting data a peer is still reading.
+own whatever the shape (its slices in its own buffer; its lane, as a sender, in a peer's
+buffer, which no other program touches), and a rank writes them again, in the same region,
+only two of that program's calls later; the call between ends on this rank only after the
+reader's same program signalled in it, i.e. after the reader's previous kernel, the one
+that read the region, had finished. (Staging rows at their offset in the message would
+break this: after a change of row length, a program could write bytes that another program,
+whose epoch had the same parity, staged in the call before and a peer is still reading.)
+The in-place path writes a third region, which the producer fills before the kernel starts;
+there the second barrier is what keeps the producer of the next call from overwriting data a
+peer is still reading.
 
 Contract: every rank calls `all_reduce` and `all_reduce_add_rms_norm` in the same order with
 the same shapes and dtypes, on one stream (or inside CUDA graphs captured from one stream).
@@ -96,12 +100,17 @@ def buffer_layout(max_bytes: int, max_blocks: int, world_size: int) -> tuple[int
     """(flag bytes, lane bytes, total bytes) of each rank's buffer. The flags lead it: a row
     per program for each meeting (the plain kernel's two, then the fused kernel's). Then the
     data: regions 0 (in place), 1 and 2 (copy-in, by parity) of max_bytes for the plain
-    kernel; regions 3 and 4 (by parity) of max_blocks lanes for the fused one, a lane holding
-    its program's share of a max_bytes message and a row of up to _ROW_ROOM bytes more."""
+    kernel; regions 3 and 4 (by parity) of world_size x max_blocks lanes (by sender, then
+    program) for the fused one, a lane holding its program's share of a max_bytes message
+    and a row of up to _ROW_ROOM bytes more."""
     flag_bytes = -(-3 * max_blocks * world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
     share, room = -(-max_bytes // max_blocks), min(max_bytes, _ROW_ROOM)
     lane_bytes = sum(-(-n // _LANE_ALIGN) * _LANE_ALIGN for n in (share, room))
-    return flag_bytes, lane_bytes, flag_bytes + 3 * max_bytes + 2 * max_blocks * lane_bytes
+    return (
+        flag_bytes,
+        lane_bytes,
+        flag_bytes + 3 * max_bytes + 2 * world_size * max_blocks * lane_bytes,
+    )
 
 
 class TritonAllReduce:

@@ -127,14 +127,17 @@ def _one_shot_add_rms_norm_kernel(
 ):
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1
-    lane = LANES + ((epoch & 1) * MAX_BLOCKS + pid) * LANE
+    region = LANES + (epoch & 1) * (WORLD * MAX_BLOCKS * LANE)  # lanes by (sender, program)
+    sent = region + (RANK * MAX_BLOCKS + pid) * LANE  # this program's lane on every peer
     my_rows = tl.cdiv(num_rows - pid, MAX_BLOCKS)  # rows pid, pid + MAX_BLOCKS, ...
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    for j in range(my_rows):
+    for j in range(my_rows):  # push: stores to the peers' memory, nothing waits on them here
         x = tl.load(x_ptr + (pid + j * MAX_BLOCKS) * n_cols + cols, mask=mask)
-        tl.store(bufs[RANK] + lane + j * n_cols + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread's copy precedes the release below
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                tl.store(bufs[r] + sent + j * n_cols + cols, x, mask=mask)
+    tl.debug_barrier()  # every thread's stores precede the release below
     _meet_peers(flag_table, my_flags, (2 * MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
     tl.debug_barrier()  # the acquiring threads' view passes to the whole program
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -144,9 +147,9 @@ def _one_shot_add_rms_norm_kernel(
         for r in tl.static_range(WORLD):
             if r == RANK:
                 acc += tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
-            else:  # .cg: straight from the peer, never a stale L1 line
-                staged = bufs[r] + lane + j * n_cols + cols
-                acc += tl.load(staged, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            else:  # what peer r pushed here; .cg: never a stale L1 line
+                got = bufs[RANK] + region + (r * MAX_BLOCKS + pid) * LANE + j * n_cols + cols
+                acc += tl.load(got, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         # from here ops/norm.py's kernel, step for step
         s = acc.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
