@@ -14,30 +14,9 @@ import torch
 from minivllm.worker.layers import triton_all_reduce_kernels as kernels
 from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
 from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
+from tests.hopper_compile import compile_for_hopper
 from tests.triton_interpreter import run_interpreted
 from tests.worker.test_symm_all_reduce import EPS, _assert_bit_equal
-
-
-def _compile_for_hopper(kernel, signature: dict, constants: dict, num_warps: int):
-    """kernel as the launcher builds it for sm_90, every pointer (and tuple of pointers)
-    16-byte aligned and the ints named n_cols or stride_* specialised as multiples of 16."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    aligned = [["tt.divisibility", 16]]
-    attrs = {}
-    for i, (name, kind) in enumerate(signature.items()):
-        if isinstance(kind, tuple):
-            attrs.update({(i, r): aligned for r in range(len(kind))})
-        elif kind.startswith("*") or name == "n_cols" or name.startswith("stride"):
-            attrs[(i,)] = aligned
-    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
-    return triton.compile(
-        ASTSource(kernel, signature, constants, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps},
-    )
 
 
 def _reduce_layout(ttgir: str) -> str:
@@ -67,14 +46,14 @@ def test_fused_kernel_compiles_for_hopper_and_norms_like_the_norm_kernel(
     warps = norm.norm_warps(block)
     tensors = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr")
     strides = ("stride_x", "stride_res", "stride_out", "stride_new_res")
-    reference = _compile_for_hopper(
+    reference = compile_for_hopper(
         norm._rms_norm_kernel,
         {**dict.fromkeys(tensors, f"*{dtype}"), **dict.fromkeys(strides, "i32")}
         | {"n_cols": "i32", "eps": "fp32"},
         {"BLOCK": block, "HAS_RESIDUAL": residual},
         warps,
     )
-    fused = _compile_for_hopper(
+    fused = compile_for_hopper(
         kernels._one_shot_add_rms_norm_kernel,
         dict.fromkeys(tensors, f"*{dtype}")
         | {"bufs": (f"*{dtype}",) * world, "flag_table": "i64", "my_flags": "i64"}
@@ -135,7 +114,7 @@ def test_triton_all_reduce_kernel_compiles_for_hopper(dtype: str, world: int, in
         "VECTOR": 16 // size,
         "IN_PLACE": in_place,
     }
-    kernel = _compile_for_hopper(kernels._one_shot_kernel, signature, constants, tar.NUM_WARPS)
+    kernel = compile_for_hopper(kernels._one_shot_kernel, signature, constants, tar.NUM_WARPS)
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"]
     vectors_per_thread = tar.SLICE_BYTES // (tar.NUM_WARPS * 32 * 16)

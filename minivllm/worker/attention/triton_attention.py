@@ -28,7 +28,7 @@ import math
 import torch
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.ops._triton import next_power_of_2, tl, triton
+from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
 
 LOG2E = 1.4426950408889634
 
@@ -39,8 +39,9 @@ def _store_kv_kernel(
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
+    PAGE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok)
     if slot < 0:
@@ -66,8 +67,9 @@ def _decode_kernel(
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
     # in this order, so with `order` (longest context first) the longest work starts first
     pid = tl.program_id(0)
@@ -135,8 +137,9 @@ def _decode_kernel(
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -164,8 +167,9 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     seq = first_seq + tl.program_id(0)
     # the last query tiles see the most keys (causal): dispatch them first
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -233,7 +237,7 @@ def store_kv_cache(
         k, v, kv_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kv_cache.stride()[:4],
         NUM_KV_HEADS=num_kv_heads, BLOCK_H=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2], **pdl(k),
     )  # fmt: skip
 
 
@@ -335,13 +339,13 @@ class TritonAttentionBackend:
                 GQA=gqa, BLOCK_G=max(16, next_power_of_2(gqa)), HEAD_DIM=head_dim,
                 BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits, NUM_KV_HEADS=num_kv_heads,
                 HAS_ORDER=order is not None, PRECISION=precision,
-                num_warps=4, num_stages=self.decode_stages or (3 if wide else 2),
+                num_warps=4, num_stages=self.decode_stages or (3 if wide else 2), **pdl(q),
             )  # fmt: skip
             if splits > 1:
                 _merge_kernel[(nd, num_heads)](
                     part_out, part_lse, out, out.stride(0), out.stride(1),
                     NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                    BLOCK_S=next_power_of_2(splits),
+                    BLOCK_S=next_power_of_2(splits), **pdl(q),
                 )  # fmt: skip
 
         num_prefills = meta.num_seqs - nd
@@ -352,6 +356,6 @@ class TritonAttentionBackend:
                 nd, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 meta.block_table.stride(0), *cache_strides,
                 GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-                PRECISION=precision, num_warps=warps, num_stages=stages,
+                PRECISION=precision, num_warps=warps, num_stages=stages, **pdl(q),
             )  # fmt: skip
         return out

@@ -6,6 +6,7 @@ function undecorated (it is never launched) and `tl.constexpr` still exists for 
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -54,3 +55,29 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    return os.environ.get("MINIVLLM_PDL", "1") != "0" and torch.cuda.get_device_capability(
+        device_index
+    ) >= (9, 0)
+
+
+def pdl(x: torch.Tensor) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (Hopper and later; MINIVLLM_PDL=0
+    turns it off): the grid may start while the kernel before it on the stream finishes, so
+    its launch and set-up overlap that kernel's tail. The kernel must take `PDL: tl.constexpr`
+    and call `wait_for_producers(PDL)` before it reads anything an earlier kernel wrote."""
+    on = bool(x.is_cuda and HAS_TRITON and _pdl_on(x.device.index or 0))
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """Under PDL: wait until the kernel before this one on the stream has finished and its
+    writes are visible (so has every kernel before it), then let the kernel after this one
+    launch, which waits here in turn. Without PDL nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

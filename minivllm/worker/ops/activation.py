@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker.ops._triton import tl, triton, use_triton
+from minivllm.worker.ops._triton import pdl, tl, triton, use_triton, wait_for_producers
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -37,5 +40,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
     grid = (x2.shape[0], triton.cdiv(d, _BLOCK))
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=_BLOCK)
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=_BLOCK, **pdl(x2))
     return out

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.worker.ops._triton import tl, triton
+from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
 
 # what the kernel computes x from
 _PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -59,17 +59,23 @@ def _gemv_kernel(
     res_ptr, new_res_ptr, nw_ptr, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ONE_SLICE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    if not (PROLOGUE == 1 and ONE_SLICE):
+        wait_for_producers(PDL)
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
         if PROLOGUE == 1 and ONE_SLICE:
             # K fits one slice (hidden 1024): the weights are loaded first, so the time they
-            # take to arrive covers the norm's loads and its sum over the row
+            # take to arrive covers the norm's loads and its sum over the row -- and, the
+            # weights being no kernel's output, under PDL the previous kernel's tail too
             w = tl.load(w_ptrs)
+            if m == 0:
+                wait_for_producers(PDL)
             h = _residual_slice(
                 x_row, res_ptr + m * K, new_res_ptr + m * K, 0, offs_k, pid == 0, HAS_RESIDUAL
             )
@@ -136,7 +142,7 @@ def _launch(
         x if norm_weight is None else norm_weight, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, ONE_SLICE=k == cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x),
     )  # fmt: skip
     return out
 

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.worker.ops._triton import next_power_of_2, tl, triton, use_triton
+from minivllm.worker.ops._triton import (
+    next_power_of_2,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x, stride_res, stride_out, stride_new_res, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -62,7 +70,7 @@ def _launch(
         x2, x2 if res2 is None else res2, weight, out2, out2 if new_res2 is None else new_res2,
         x2.stride(0), 0 if res2 is None else res2.stride(0), out2.stride(0),
         0 if new_res2 is None else new_res2.stride(0), n_cols, eps,
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=norm_warps(block),
+        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=norm_warps(block), **pdl(x2),
     )  # fmt: skip
     return out, new_res
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from minivllm.worker.ops._triton import next_power_of_2, tl, triton, use_triton
+from minivllm.worker.ops._triton import (
+    next_power_of_2,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 
 def build_cos_sin_cache(
@@ -90,7 +97,9 @@ def _qk_norm_rope_kernel(
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
     APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     tok = tl.program_id(0)
     pos = tl.load(pos_ptr + tok)
     offs_d = tl.arange(0, HALF)
@@ -195,5 +204,5 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1], eps, *v_args, *cache_strides,
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]),
-        HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page,
+        HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page, **pdl(q),
     )  # fmt: skip

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.worker.ops._triton import HAS_TRITON, interpreting, tl, triton, use_triton
+from minivllm.worker.ops._triton import (
+    HAS_TRITON,
+    interpreting,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 if HAS_TRITON:
     from triton.language.extra.cuda import libdevice
@@ -62,7 +70,9 @@ def _sample_kernel(
     logits_ptr, stride_row, temp_ptr, threshold_ptr, seed_ptr, pos_ptr, part_val_ptr,
     part_idx_ptr, vocab_start, vocab_end, tiles_per_chunk, num_chunks,
     QUARTER: tl.constexpr, HAS_THRESHOLD: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
@@ -206,7 +216,7 @@ def _sample_chunks(
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
         seeds, positions, part_val, part_idx, vocab_start, vocab_end, tiles_per_chunk, chunks,
         QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=fast and not interpreting(),
-        num_warps=8,
+        num_warps=8, **pdl(logits),
     )  # fmt: skip
     return part_val, part_idx
 

@@ -1,0 +1,89 @@
+"""Programmatic dependent launch without a GPU: the step's kernels, compiled for sm_90 with
+PDL on, wait for the kernel before them before their first load of anything a kernel wrote
+(only the GEMV's weights may come earlier), then let the next kernel launch; with PDL off
+they hold no such instruction. The GPU tests run the same kernels with PDL on (the default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.worker.ops import _triton
+from minivllm.worker.ops._triton import HAS_TRITON
+from tests.hopper_compile import compile_for_hopper
+
+WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+_BF16_NORM = dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr"), "*bf16")
+
+
+def _kernels() -> dict:
+    """name -> (kernel, signature, constants, warps)."""
+    from minivllm.worker.attention import triton_attention
+    from minivllm.worker.ops import activation, gemv, norm
+
+    strides4 = dict.fromkeys(("stride_x", "stride_res", "stride_out", "stride_new_res"), "i32")
+    gemv_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32"}
+    gemv_sig |= dict.fromkeys(("stride_xm", "stride_wn", "stride_om"), "i32")
+    gemv_sig |= {"res_ptr": "*bf16", "new_res_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"}
+    gemv_consts = {"M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_RESIDUAL": True}
+    return {
+        "add_rms_norm": (
+            norm._rms_norm_kernel,
+            _BF16_NORM | strides4 | {"n_cols": "i32", "eps": "fp32"},
+            {"BLOCK": 1024, "HAS_RESIDUAL": True},
+            4,
+        ),
+        "silu_mul": (
+            activation._silu_and_mul_kernel,
+            {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_out": "i32"}
+            | {"n_cols": "i32"},
+            {"BLOCK": 1024},
+            4,
+        ),
+        "gemv_silu_mul": (
+            gemv._gemv_kernel,
+            gemv_sig,
+            gemv_consts | {"PROLOGUE": 2, "ONE_SLICE": False},
+            8,
+        ),
+        "split_kv_merge": (
+            triton_attention._merge_kernel,
+            {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}
+            | {"stride_o_tok": "i32", "stride_o_head": "i32"},
+            {"NUM_HEADS": 16, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4},
+            4,
+        ),
+    }
+
+
+def _ptx(name: str, pdl: bool) -> str:
+    kernel, signature, constants, warps = _kernels()[name]
+    return compile_for_hopper(kernel, signature, constants | {"PDL": pdl}, warps).asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("name", ["add_rms_norm", "silu_mul", "gemv_silu_mul", "split_kv_merge"])
+def test_with_pdl_a_kernel_waits_before_its_first_load(name: str) -> None:
+    ptx = _ptx(name, pdl=True)
+    assert ptx.count(WAIT) == 1 and ptx.count(LAUNCH) == 1
+    assert ptx.index(WAIT) < ptx.index(LAUNCH) < ptx.index("ld.global")
+    assert WAIT not in _ptx(name, pdl=False) and LAUNCH not in _ptx(name, pdl=False)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_with_pdl_the_norm_gemv_loads_its_weights_before_waiting() -> None:
+    """The RMSNorm-prologue GEMV over one K slice: the weight slice (no kernel's output) is
+    requested before the wait, the row and the residual after it."""
+    from minivllm.worker.ops import gemv
+
+    signature = _kernels()["gemv_silu_mul"][1]
+    constants = {"M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_RESIDUAL": True}
+    constants |= {"PROLOGUE": 1, "ONE_SLICE": True, "PDL": True}
+    ptx = compile_for_hopper(gemv._gemv_kernel, signature, constants, 8).asm["ptx"]
+    wait = ptx.index(WAIT)
+    assert ptx.count(WAIT) == 1
+    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
+
+
+def test_pdl_is_off_for_cpu_tensors() -> None:
+    assert _triton.pdl(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
