@@ -40,6 +40,16 @@ def _configs(m: int) -> list[GemmConfig]:
         GemmConfig(max(16, min(m, 64)), 128, 64, 4, 4, swap=True),
         GemmConfig(max(16, min(m, 64)), 64, 128, 4, 5, swap=True),
     ]
+    bm = max(64, min(m, 128))
+    for ws in (False, True):
+        out += [
+            GemmConfig(bm, bn, bk, w, s, tma=True, warp_specialize=ws)
+            for bn, bk, w, s in ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 6))
+        ]
+        out += [
+            GemmConfig(max(16, min(m, 128)), bn, bk, 4, s, swap=True, tma=True, warp_specialize=ws)
+            for bn, bk, s in ((64, 128, 4), (128, 64, 4))
+        ]
     return out
 
 
@@ -102,7 +112,7 @@ def main() -> None:
             tot_norm += norm_only
             runner = ", ".join(f"{t:.2f}" for t, _ in results[1:4])
             print(f"{name:<8} M={m:<4} norm {norm_only:5.2f}  norm+cuBLAS {cublas:6.2f}  norm+Triton {best:6.2f} "
-                  f"[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{' swap' if cfg.swap else ''}]"
+                  f"[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{' swap' if cfg.swap else ''}{' tma' if cfg.tma else ''}{' ws' if cfg.warp_specialize else ''}]"
                   f"  no prefetch {no_pf:6.2f}  no PDL {no_pdl:6.2f}  next: {runner}")  # fmt: skip
         print(f"per layer M={m}: norms {tot_norm:.1f}, +cuBLAS {tot_cublas:.1f}, +Triton {tot_best:.1f} µs "
               f"(Triton/cuBLAS {tot_best / tot_cublas:.2f})")  # fmt: skip

@@ -32,6 +32,8 @@ class GemmConfig(NamedTuple):
     num_stages: int
     swap: bool = False
     prefetch: bool = True
+    tma: bool = False  # tiles through Hopper's tensor memory accelerator (no prefetch)
+    warp_specialize: bool = False  # with tma: producer and consumer warps
 
 
 @triton.jit
@@ -89,6 +91,36 @@ def _decode_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _decode_gemm_tma_kernel(
+    x_desc, w_desc, out_ptr, M, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    off_n = tl.program_id(0) * BLOCK_N
+    off_m = tl.program_id(1) * BLOCK_M
+    wait_for_producers(PDL)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+            w = w_desc.load([off_n, k])
+            x = x_desc.load([off_m, k])
+            acc = tl.dot(w, x.T, acc)
+        out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+            x = x_desc.load([off_m, k])
+            w = w_desc.load([off_n, k])
+            acc = tl.dot(x, w.T, acc)
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
 def decode_gemm_fits(cfg: GemmConfig, n: int, k: int) -> bool:
     """The kernel masks rows only: BLOCK_N must divide N and BLOCK_K divide K."""
     return n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_k % _LINE == 0
@@ -103,6 +135,18 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig) -> torch.Tens
     assert x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (n // cfg.block_n, triton.cdiv(m, cfg.block_m))
+    if cfg.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _decode_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]),
+            out, m, k, out.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
+            WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl(x),
+        )  # fmt: skip
+        return out
     _decode_gemm_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
