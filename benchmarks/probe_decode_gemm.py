@@ -64,6 +64,7 @@ def main() -> None:
         if "--rows" in sys.argv
         else [32, 64, 128, 256]
     )
+    rows = [r for r in rows if r > 0]
     weights = layer_weights()
     print(
         f"{torch.cuda.get_device_name()}; µs per layer (norm + linear), 28 weights per shape in one graph"
@@ -81,8 +82,9 @@ def main() -> None:
             ref = F.linear(x, ws[0]).float()
             results = []
             for cfg in _configs(m):
-                if not decode_gemm_fits(cfg, n, k):
+                if not decode_gemm_fits(cfg, n, k) or ("--tma" in sys.argv and not cfg.tma):
                     continue
+                print(f"  {name} M={m} {cfg}", end=": ", flush=True)
                 try:
                     err = (decode_gemm(x, ws[0], cfg).float() - ref).abs().max().item()
                     if err > 0.05:
@@ -98,7 +100,13 @@ def main() -> None:
                     )
                 except Exception as e:  # noqa: BLE001 - a probe: report and go on
                     print(f"  {name} M={m} {cfg}: ERR {type(e).__name__}: {str(e)[:120]}")
+                print(
+                    f"{results[-1][0]:.2f}" if results and results[-1][1] == cfg else "-",
+                    flush=True,
+                )
             results.sort()
+            if not results:
+                continue
             best, cfg = results[0]
             no_pf = per_layer_us(
                 _chain(x, nw, ws, lambda a, w, c=cfg._replace(prefetch=False): decode_gemm(a, w, c))
