@@ -1,7 +1,8 @@
 """The TP all-reduce's Triton kernels without a GPU: compiled for Hopper (their barrier,
 loads and, for the fused one, the norm's reduction layout, checked in the generated code), and
 the fused kernel run through the Triton interpreter on CPU buffers laid out as on the GPUs.
-The 2-GPU tests of the same kernels are in test_symm_all_reduce.py."""
+The 2-GPU tests of the same kernels are in test_symm_all_reduce.py and
+test_fused_all_reduce_norm.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
 from minivllm.worker.ops._triton import HAS_TRITON, tl, triton
 from tests.hopper_compile import compile_for_hopper
 from tests.triton_interpreter import run_interpreted
-from tests.worker.test_symm_all_reduce import EPS, _assert_bit_equal
+from tests.worker.test_fused_all_reduce_norm import _assert_bit_equal
+from tests.worker.test_symm_all_reduce import EPS
 
 
 def _reduce_layout(ttgir: str) -> str:
