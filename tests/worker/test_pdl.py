@@ -87,3 +87,23 @@ def test_with_pdl_the_norm_gemv_loads_its_weights_before_waiting() -> None:
 
 def test_pdl_is_off_for_cpu_tensors() -> None:
     assert _triton.pdl(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+def test_pdl_is_off_where_the_switch_or_the_build_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINIVLLM_PDL=0, or a ROCm build (whose Triton has no griddepcontrol), turns it off
+    before the device is even asked for its capability."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("MINIVLLM_PDL", raising=False)
+    _triton._pdl_on.cache_clear()
+    try:
+        assert _triton._pdl_on(0)
+        _triton._pdl_on.cache_clear()
+        monkeypatch.setenv("MINIVLLM_PDL", "0")
+        assert not _triton._pdl_on(0)
+        _triton._pdl_on.cache_clear()
+        monkeypatch.delenv("MINIVLLM_PDL")
+        monkeypatch.setattr(torch.version, "hip", "6.4")
+        assert not _triton._pdl_on(0)
+    finally:
+        _triton._pdl_on.cache_clear()

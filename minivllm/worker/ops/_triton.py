@@ -59,9 +59,11 @@ def next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    return os.environ.get("MINIVLLM_PDL", "1") != "0" and torch.cuda.get_device_capability(
-        device_index
-    ) >= (9, 0)
+    if os.environ.get("MINIVLLM_PDL", "1") == "0":
+        return False
+    if torch.version.hip is not None:  # the wait and the trigger are PTX instructions
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def pdl(x: torch.Tensor) -> dict[str, bool]:
