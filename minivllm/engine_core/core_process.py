@@ -153,7 +153,8 @@ class EngineCoreProc:
             self.engine_core.shutdown()
         finally:
             transport.close_socket(self.input_sock, linger=0)
-            transport.close_socket(self.output_sock, linger=0)
+            # the bounded linger lets the death notice above reach the clients
+            transport.close_socket(self.output_sock)
             self.ctx.term()
 
     # ------------------------------------------------------------------ I/O threads

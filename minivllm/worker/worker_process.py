@@ -50,7 +50,9 @@ def run_worker(
     ready_pipe.close()
     ctx = zmq.Context()
     steps = transport.connect_socket(ctx, zmq.PULL, step_address)
-    results = transport.connect_socket(ctx, zmq.PUSH, result_address)
+    # `results` has a context of its own: terminating it is how a failing worker waits for
+    # its error to leave (closing a socket returns at once; os._exit would drop the frame)
+    results = transport.connect_socket(zmq.Context(), zmq.PUSH, result_address)
     decoder = MsgDecoder(CORE_TO_WORKER)
     # only the sender thread touches `results` (ZMQ sockets are not thread-safe)
     outbox: queue.Queue = queue.Queue()
@@ -114,12 +116,13 @@ def run_worker(
         send(ModelRunnerOutput(step_id=step_id, error=error))
         outbox.put(None)
         sender.join(timeout=10.0)
-        transport.close_socket(results)  # linger lets the error frame out
-        os._exit(1)
+        _flush_and_exit(results)
     outbox.put(None)
     sender.join(timeout=10.0)
     transport.close_socket(results, linger=0)
     transport.close_socket(steps, linger=0)
+    results.context.term()
+    ctx.term()
 
 
 def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
@@ -135,8 +138,7 @@ def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
             transport.send_msg(
                 results, encoder.encode(ModelRunnerOutput(item.step_id, error=error))
             )
-            transport.close_socket(results)
-            os._exit(1)
+            _flush_and_exit(results)
         transport.send_msg(results, encoder.encode(msg))
 
 
@@ -159,3 +161,12 @@ def _timedelta(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def _flush_and_exit(results: zmq.Socket) -> None:
+    """End the process once what was sent on `results` has left (or its bounded linger ran
+    out): the engine-core then reports the cause, not just an exit code."""
+    ctx = results.context
+    transport.close_socket(results)
+    ctx.term()
+    os._exit(1)
