@@ -110,6 +110,16 @@ def close_socket(sock: zmq.Socket, linger: int | None = None) -> None:
     sock.close(linger=linger)
 
 
+def close_and_flush(sock: zmq.Socket) -> None:
+    """Close `sock` and return once what was sent on it has left, or its bounded linger ran
+    out, by terminating its context: `sock` must be that context's last open socket.
+    Closing alone returns at once and leaves the sending to ZMQ's I/O thread, which a
+    process that exits right after (`os._exit`) takes down with the unsent frames."""
+    ctx = sock.context
+    sock.close()
+    ctx.term()
+
+
 # ---------------------------------------------------------------- send / recv
 
 

@@ -50,8 +50,8 @@ def run_worker(
     ready_pipe.close()
     ctx = zmq.Context()
     steps = transport.connect_socket(ctx, zmq.PULL, step_address)
-    # `results` has a context of its own: terminating it is how a failing worker waits for
-    # its error to leave (closing a socket returns at once; os._exit would drop the frame)
+    # `results` has a context of its own, so a failing worker can wait for its error to
+    # leave before it exits (`transport.close_and_flush`)
     results = transport.connect_socket(zmq.Context(), zmq.PUSH, result_address)
     decoder = MsgDecoder(CORE_TO_WORKER)
     # only the sender thread touches `results` (ZMQ sockets are not thread-safe)
@@ -164,9 +164,7 @@ def _timedelta(seconds: float):
 
 
 def _flush_and_exit(results: zmq.Socket) -> None:
-    """End the process once what was sent on `results` has left (or its bounded linger ran
-    out): the engine-core then reports the cause, not just an exit code."""
-    ctx = results.context
-    transport.close_socket(results)
-    ctx.term()
+    """End the process once the error sent on `results` has left: the engine-core then
+    reports the cause, not just an exit code."""
+    transport.close_and_flush(results)
     os._exit(1)

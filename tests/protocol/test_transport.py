@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import stat
 
@@ -16,6 +17,7 @@ from minivllm.protocol.serial import CORE_TO_FRONTEND, FRONTEND_TO_CORE, MsgDeco
 from minivllm.protocol.transport import (
     bind_socket,
     cleanup_ipc,
+    close_and_flush,
     close_socket,
     connect_socket,
     ipc_address,
@@ -93,6 +95,30 @@ def test_push_pull_round_trip(ctx: zmq.Context, address: str) -> None:
         assert recv_msg(pull, timeout_ms=10) is None
     finally:
         close_socket(push, linger=0)
+        close_socket(pull, linger=0)
+
+
+def _send_and_exit(address: str, nbytes: int) -> None:
+    push = connect_socket(zmq.Context(), zmq.PUSH, address)
+    send_msg(push, [b"x" * nbytes])
+    close_and_flush(push)
+    os._exit(1)  # as a failing worker does, right after
+
+
+def test_a_frame_sent_before_exiting_arrives(ctx: zmq.Context, address: str) -> None:
+    # 64 MiB: far more than ZMQ sends before a plain close returns, so without the flush
+    # the exit takes the frame down (every time, on a 2-core machine)
+    pull, bound = bind_socket(ctx, zmq.PULL, address)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_send_and_exit, args=(bound, 64 << 20)
+    )
+    try:
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 1
+        frames = recv_msg(pull, TIMEOUT_MS)
+        assert frames is not None and len(frames[0]) == 64 << 20
+    finally:
         close_socket(pull, linger=0)
 
 
