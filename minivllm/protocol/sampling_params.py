@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # a temperature below this means greedy, everywhere it is decided
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -78,7 +78,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-_GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in SamplingParams
+from minivllm.protocol.sampling_params import GREEDY_EPS
 
 
 @dataclass
@@ -40,7 +40,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     random_ids = argmax_rows(probs / noise)
     if meta.all_random:
         return random_ids
-    return torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, random_ids)
+    return torch.where(meta.temperature < GREEDY_EPS, greedy_ids, random_ids)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Softmax of logits / temperature with top-k, top-p and min-p applied (zeros for the
     removed tokens; rows are not renormalized, which the race does not need)."""
-    greedy = meta.temperature < _GREEDY_EPS
+    greedy = meta.temperature < GREEDY_EPS
     temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
     logits = logits / temperature.unsqueeze(1)
     filtered = (meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.protocol.sampling_params import GREEDY_EPS
 from minivllm.worker.step_buffers import StepBuffers
-
-_GREEDY_EPS = 1e-5
 
 
 def compute_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,7 @@ def sample_logits(
         min_p=d.min_p[:ns],
         seeds=d.seeds[:ns],
         positions=d.sample_positions[:ns],
-        all_greedy=bool((temperature < _GREEDY_EPS).all()),
-        all_random=bool((temperature >= _GREEDY_EPS).all()),
+        all_greedy=bool((temperature < GREEDY_EPS).all()),
+        all_random=bool((temperature >= GREEDY_EPS).all()),
     )
     return sample(logits.float(), meta)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.protocol.sampling_params import GREEDY_EPS
 from minivllm.worker.ops._triton import (
     HAS_TRITON,
     interpreting,
@@ -27,7 +28,6 @@ if HAS_TRITON:
 else:  # pragma: no cover - depends on the install
     libdevice = None
 
-GREEDY_EPS = 1e-5  # temperature below this means greedy
 _QUARTER = 1024  # a tile is 4 quarters: one Philox call gives the 4 quarters' random numbers
 
 
@@ -76,7 +76,7 @@ def _sample_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
-    greedy = temp < 1e-5
+    greedy = temp < 1e-5  # GREEDY_EPS (a jit function reads no plain globals)
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
     threshold = float("-inf")
     if HAS_THRESHOLD:
