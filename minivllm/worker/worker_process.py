@@ -111,9 +111,7 @@ def run_worker(
                     gc.freeze()
                     send(Handshake(role="worker-ready", rank=rank, pid=os.getpid()))
     except Exception:
-        error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
-        logger.error(error)
-        send(ModelRunnerOutput(step_id=step_id, error=error))
+        send(ModelRunnerOutput(step_id=step_id, error=_log_failure(rank)))
         outbox.put(None)
         sender.join(timeout=10.0)
         _flush_and_exit(results)
@@ -133,11 +131,8 @@ def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
         try:
             msg = item.get() if isinstance(item, AsyncModelRunnerOutput) else item
         except Exception:
-            error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
-            logger.error(error)
-            transport.send_msg(
-                results, encoder.encode(ModelRunnerOutput(item.step_id, error=error))
-            )
+            error = ModelRunnerOutput(item.step_id, error=_log_failure(rank))
+            transport.send_msg(results, encoder.encode(error))
             _flush_and_exit(results)
         transport.send_msg(results, encoder.encode(msg))
 
@@ -161,6 +156,13 @@ def _timedelta(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def _log_failure(rank: int) -> str:
+    """Log the exception being handled; returns the text the engine-core is sent."""
+    error = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
+    logger.error(error)
+    return error
 
 
 def _flush_and_exit(results: zmq.Socket) -> None:
