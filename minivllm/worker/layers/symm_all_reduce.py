@@ -204,22 +204,33 @@ def on_every_rank(group: Any, device: torch.device, step: Callable[[], T]) -> T:
     return result
 
 
-def _problem_on_every_rank(group: Any, device: torch.device, algorithm: str) -> str | None:
-    """A reason symmetric memory cannot work that every rank finds alike (no collective)."""
+def symm_mem_problem(group: Any, device: torch.device) -> str | None:
+    """A reason symmetric memory cannot serve `group` on `device` that every rank finds
+    alike (no collective): no CUDA device, a backend other than NCCL, or a torch build
+    without symmetric memory. Each communicator adds its own reasons after these."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"no CUDA device (device {device})"
     backend = str(dist.get_backend(group))
     if "nccl" not in backend:
         return f"the process group's backend is {backend}, not NCCL"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"this torch build has no symmetric memory ({e})"
+    return None
+
+
+def _problem_on_every_rank(group: Any, device: torch.device, algorithm: str) -> str | None:
+    """A reason the symm_mem kernels cannot work that every rank finds alike (no collective)."""
+    if problem := symm_mem_problem(group, device):
+        return problem
     size = dist.get_world_size(group)
     if algorithm == "two_shot" and size not in (2, 4, 8):
         return f"two-shot all-reduce needs 2, 4 or 8 ranks, not {size}"
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-
         for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out"):
             getattr(torch.ops.symm_mem, op)
-    except (ImportError, AttributeError, RuntimeError) as e:
+    except (AttributeError, RuntimeError) as e:
         return f"this torch build has no symmetric memory ops ({e})"
     return None
 

@@ -75,6 +75,7 @@ from minivllm.worker.layers.symm_all_reduce import (
     check_peer_access,
     create_or_none,
     on_every_rank,
+    symm_mem_problem,
 )
 from minivllm.worker.layers.triton_all_reduce_kernels import (
     _one_shot_add_rms_norm_kernel,
@@ -331,17 +332,10 @@ class TritonAllReduce:
 
 def _problem_on_every_rank(group: Any, device: torch.device) -> str | None:
     """A reason this cannot work that every rank finds alike (no collective)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"no CUDA device (device {device})"
-    backend = str(dist.get_backend(group))
-    if "nccl" not in backend:
-        return f"the process group's backend is {backend}, not NCCL"
+    if problem := symm_mem_problem(group, device):
+        return problem
     if not HAS_TRITON:
         return "triton is not installed"
     if not 2 <= dist.get_world_size(group) <= MAX_WORLD_SIZE:
         return f"the Triton all-reduce serves 2 to {MAX_WORLD_SIZE} ranks"
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError as e:
-        return f"this torch build has no symmetric memory ({e})"
     return None
