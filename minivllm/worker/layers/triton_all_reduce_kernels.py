@@ -5,6 +5,7 @@ the residual add and RMSNorm."""
 from __future__ import annotations
 
 from minivllm.worker.ops._triton import tl, triton
+from minivllm.worker.ops.norm import add_residual, rms_scale, row_rstd
 
 
 @triton.jit
@@ -150,14 +151,11 @@ def _one_shot_add_rms_norm_kernel(
             else:  # what peer r pushed here; .cg: never a stale L1 line
                 got = bufs[RANK] + region + (r * MAX_BLOCKS + pid) * LANE + j * n_cols + cols
                 acc += tl.load(got, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        # from here ops/norm.py's kernel, step for step
+        # from here ops/norm.py's kernel, step for step (its helpers)
         s = acc.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
-            res = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + res.to(tl.float32)).to(s.dtype)
+            s = add_residual(s, tl.load(res_ptr + row + cols, mask=mask, other=0.0))
         tl.store(new_res_ptr + row + cols, s, mask=mask)
-        xf = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-        normed = (xf * rstd).to(s.dtype).to(tl.float32)
-        tl.store(out_ptr + row + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = rms_scale(s, row_rstd(s, n_cols, eps), w)
+        tl.store(out_ptr + row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(epochs + pid, epoch)

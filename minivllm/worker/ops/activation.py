@@ -11,6 +11,15 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up as torch rounds it (F.silu stores in up's dtype), in float32 for the
+    caller to round. The GEMV's SiLU prologue uses it too, so both paths agree bit for bit."""
+    gate = gate.to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):
@@ -18,10 +27,9 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # rounded like F.silu
-    tl.store(out_ptr + row * stride_out + offs, (act * up.to(tl.float32)).to(up.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, silu_mul(gate, up).to(up.dtype), mask=mask)
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 
 from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
+from minivllm.worker.ops.activation import silu_mul
+from minivllm.worker.ops.norm import add_residual, rms_scale, row_rstd
 
 # what the kernel computes x from
 _PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -39,7 +41,7 @@ def _residual_slice(x_row, res_row, new_res_row, k, offs_k, write_res, HAS_RESID
     stream when write_res (one program does)."""
     h = tl.load(x_row + k + offs_k)
     if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(res_row + k + offs_k).to(tl.float32)).to(h.dtype)
+        h = add_residual(h, tl.load(res_row + k + offs_k))
         if write_res:
             tl.store(new_res_row + k + offs_k, h)
     return h
@@ -48,9 +50,7 @@ def _residual_slice(x_row, res_row, new_res_row, k, offs_k, write_res, HAS_RESID
 @triton.jit
 def _scaled_slice(h, rstd, nw_ptr, k, offs_k):
     """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot."""
-    normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-    nw = tl.load(nw_ptr + k + offs_k).to(tl.float32)
-    return (normed * nw).to(h.dtype).to(tl.float32)
+    return rms_scale(h, rstd, tl.load(nw_ptr + k + offs_k)).to(h.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -79,8 +79,7 @@ def _gemv_kernel(
             h = _residual_slice(
                 x_row, res_ptr + m * K, new_res_ptr + m * K, 0, offs_k, pid == 0, HAS_RESIDUAL
             )
-            hf = h.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+            rstd = row_rstd(h, K, eps)
             acc = w.to(tl.float32) * _scaled_slice(h, rstd, nw_ptr, 0, offs_k)[None, :]
         else:
             rstd = 0.0
@@ -100,10 +99,9 @@ def _gemv_kernel(
                                         pid == 0, HAS_RESIDUAL)  # fmt: skip
                     x = _scaled_slice(h, rstd, nw_ptr, k, offs_k)
                 elif PROLOGUE == 2:
-                    gate = tl.load(x_row + k + offs_k).to(tl.float32)
+                    gate = tl.load(x_row + k + offs_k)
                     up = tl.load(x_row + K + k + offs_k)
-                    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)  # as F.silu
-                    x = (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+                    x = silu_mul(gate, up).to(up.dtype).to(tl.float32)
                 else:
                     x = tl.load(x_row + k + offs_k).to(tl.float32)
                 acc += w.to(tl.float32) * x[None, :]

@@ -19,6 +19,27 @@ from minivllm.worker.ops._triton import (
 
 
 @triton.jit
+def add_residual(x, res):
+    """x + residual as HF rounds it: summed in float32, rounded to x's dtype. Every kernel
+    that adds the residual stream uses this, so fused paths stay bit-equal to this file's."""
+    return (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def row_rstd(x, n_cols, eps):
+    """1 / sqrt(mean(x^2) + eps) over a row held whole (masked lanes zero), in float32."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+
+
+@triton.jit
+def rms_scale(x, rstd, w):
+    """RMSNorm's output before its final rounding, as HF computes it: x * rstd rounded to
+    x's dtype, times the weight, in float32."""
+    return (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x, stride_res, stride_out, stride_new_res, n_cols, eps,
@@ -30,16 +51,11 @@ def _rms_norm_kernel(
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        x = add_residual(x, tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0))
         tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    rstd = row_rstd(x, n_cols, eps)
+    y = rms_scale(x, rstd, tl.load(w_ptr + offs, mask=mask, other=0.0))
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def norm_warps(block: int) -> int:
