@@ -11,7 +11,7 @@ reads ERR (it raised; the errors are printed below the table).
 
 A second table times what a decoder does after a row-parallel layer, for bf16 [rows, 4096]
 with a residual (rows 1, 64, 256: decode steps of that many sequences), inside a CUDA graph:
-the Triton all-reduce then ops.fused_add_rms_norm (two launches) against
+the Triton all-reduce then ops.norm.fused_add_rms_norm (two launches) against
 TritonAllReduce.all_reduce_add_rms_norm (one), and checks that the two give the same bits,
 eager and after the replays. The whole run is killed after TIMEOUT_S.
 """

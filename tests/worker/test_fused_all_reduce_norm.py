@@ -1,5 +1,5 @@
 """The Triton all-reduce fused with the residual add and RMSNorm after it, across 2 spawned
-ranks on 2 GPUs: bit-equal to all_reduce then ops.fused_add_rms_norm (ops.rms_norm without a
+ranks on 2 GPUs: bit-equal to all_reduce then fused_add_rms_norm (rms_norm without a
 residual), alike on both ranks, the inputs left as they were, interleaved with plain calls
 of changing sizes, back to back with one rank late, and in CUDA graphs replayed in changing
 orders; what the kernel declines goes to the plain all-reduce, then the norm (also without

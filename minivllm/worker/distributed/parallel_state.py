@@ -70,15 +70,11 @@ class TPGroup:
 
 
 class PartialSum(NamedTuple):
-    """A row-parallel layer's output before its sum over the TP ranks. Its consumer sums it:
-    the next RMSNorm in the same kernel as its residual add and norm (`all_reduce_add_rms_norm`),
-    anything else through `reduce()`."""
+    """A row-parallel layer's output before its sum over the TP ranks, which its consumer
+    does: the next RMSNorm, in the same kernel as its residual add and norm."""
 
     partial: torch.Tensor
     tp: TPGroup
-
-    def reduce(self) -> torch.Tensor:
-        return self.tp.all_reduce(self.partial)
 
 
 def init_tp_group(

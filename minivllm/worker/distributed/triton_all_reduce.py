@@ -25,7 +25,7 @@ whose release now also publishes those stores; then it reads what every peer pus
 its own memory and per row sums in rank order exactly as step 3, rounds to the dtype,
 adds the residual (rounded to the dtype: the new residual), and normalises in fp32 with the
 rounding steps of ops/norm.py, whose kernel it mirrors (same block, warps and reduction
-layout), so its outputs are bit-equal to `all_reduce` then `ops.fused_add_rms_norm`. It
+layout), so its outputs are bit-equal to `all_reduce` then `ops.norm.fused_add_rms_norm`. It
 has its own flags, its own epochs and its own two staging regions: the two kernels share
 nothing but the peer mappings, so each one's argument below holds for its own calls,
 whatever the other does in between.
@@ -224,8 +224,8 @@ class TritonAllReduce:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(s) * weight, s) with s = the sum of x over the group (+ residual), in new
-        tensors and one launch; bit-equal to all_reduce(x) then ops.fused_add_rms_norm (or
-        ops.rms_norm, and s itself, without a residual). Takes only what fits_rows accepts;
+        tensors and one launch; bit-equal to all_reduce(x) then ops.norm.fused_add_rms_norm (or
+        ops.norm.rms_norm, and s itself, without a residual). Takes only what fits_rows accepts;
         x and residual are left as they were."""
         rows, cols = x.shape
         if weight.shape != (cols,) or not weight.is_contiguous() or weight.device != x.device:
