@@ -262,7 +262,7 @@ class ModelRunner:
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             self.batch.add(new)
