@@ -29,6 +29,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
 from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
+from minivllm.protocol.limits import MAX_CONTROL_BYTES, request_frame_bytes
 from minivllm.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -42,7 +43,7 @@ from minivllm.protocol.messages import (
     UtilityMethod,
     UtilityResult,
 )
-from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
+from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,13 @@ class EngineCoreProc:
         self.ctx = zmq.Context()
         # bound before the (slow) engine start, so clients can connect and queue right away
         self.input_sock, self.input_address = transport.bind_socket(
-            self.ctx, zmq.ROUTER, input_address
+            self.ctx,
+            zmq.ROUTER,
+            input_address,
+            max_message_bytes=request_frame_bytes(config.model.max_model_len),
         )
         self.output_sock, self.output_address = transport.bind_socket(
-            self.ctx, zmq.ROUTER, output_address
+            self.ctx, zmq.ROUTER, output_address, max_message_bytes=MAX_CONTROL_BYTES
         )
         self.engine_core = EngineCore(config)
         self.input_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -163,18 +167,30 @@ class EngineCoreProc:
     @staticmethod
     def _decode_from_client(
         decoder: MsgDecoder, identity: bytes, frames: list, where: str
-    ) -> tuple[int | None, Any] | None:
-        """(client id or None for a malformed identity, message); None if undecodable."""
+    ) -> tuple[int, Any] | None:
+        """(client id, message); None, after a log line naming the peer and the reason,
+        for anything that is not a message from a client."""
         try:
             msg = decoder.decode(frames)
-        except ValueError as e:
-            logger.warning("dropped an undecodable message on the %s socket: %s", where, e)
-            return None
-        client = int.from_bytes(identity, "little") if len(identity) == 4 else None
-        return client, msg
+        except ProtocolError as e:
+            reason = str(e)
+        else:
+            if len(identity) == 4:
+                return int.from_bytes(identity, "little"), msg
+            reason = "the sender did not name itself as a client"
+        sender = f"client {identity.hex()}" if len(identity) == 4 else "a peer"
+        logger.warning(
+            "dropped a message on the %s socket from %s at %s: %s",
+            where,
+            sender,
+            transport.peer_of(frames[0]),
+            reason,
+        )
+        return None
 
     def _input_loop(self) -> None:
-        decoder, encoder = MsgDecoder(FRONTEND_TO_CORE), MsgEncoder()
+        decoder = MsgDecoder(FRONTEND_TO_CORE, max_ids=self.config.model.max_model_len)
+        encoder = MsgEncoder()
         last_seen: dict[int, float] = {}
         next_check = time.monotonic() + 1.0
         while not self._stopping.is_set():
@@ -185,9 +201,6 @@ class EngineCoreProc:
                 if decoded is None:
                     continue
                 client, msg = decoded
-                if client is None:
-                    logger.warning("dropped a message from a peer with a malformed identity")
-                    continue
                 last_seen[client] = now
                 if isinstance(msg, ClientHello):
                     reply = self.info(client, msg)
@@ -220,7 +233,8 @@ class EngineCoreProc:
         return reply
 
     def _output_loop(self) -> None:
-        encoder, decoder = MsgEncoder(), MsgDecoder(FRONTEND_TO_CORE)
+        # the output socket carries only each client's hello that opens its route
+        encoder, decoder = MsgEncoder(), MsgDecoder([ClientHello])
         routable: set[int] = set()
         pending: dict[int, list[Any]] = {}
         heartbeat = encoder.encode(Heartbeat())
@@ -240,7 +254,7 @@ class EngineCoreProc:
                 if decoded is None:
                     continue
                 client, msg = decoded
-                if client is not None and isinstance(msg, ClientHello):
+                if isinstance(msg, ClientHello):
                     routable.add(client)
                     send(client, encoder.encode(RouteReady(client)))
                     for frames_ in pending.pop(client, []):

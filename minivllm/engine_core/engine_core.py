@@ -56,6 +56,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
+            self.scheduler.check_prompt(request.request_id, len(request.prompt_token_ids))
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             self.scheduler.add_request(req)
         except ValueError as e:

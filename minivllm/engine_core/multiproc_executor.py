@@ -24,7 +24,7 @@ from minivllm.protocol.messages import (
     WorkerLoaded,
     WorkerReady,
 )
-from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
+from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,12 @@ class MultiprocExecutor(Executor):
     def _decode(self, frames):
         try:
             return self.decoder.decode(frames)
-        except ValueError as e:
-            logger.warning("dropped an undecodable message from a worker: %s", e)
+        except ProtocolError as e:
+            logger.warning(
+                "dropped a message on the results socket from %s: %s",
+                transport.peer_of(frames[0]),
+                e,
+            )
             return None
 
     def _dead_worker(self) -> str | None:

@@ -56,29 +56,35 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; `ValueError` if its prompt can never be scheduled."""
-        n = request.num_prompt_tokens
+    def check_prompt(self, request_id: str, n: int) -> None:
+        """`ValueError` if a prompt of `n` tokens can never be scheduled; cheap enough to
+        call before anything is allocated for the request."""
         if n == 0:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
+            raise ValueError(f"request {request_id}: the prompt is empty")
         if n > self.config.max_model_len:
             raise ValueError(
-                f"request {request.request_id}: the prompt ({n} tokens) is longer than "
+                f"request {request_id}: the prompt ({n} tokens) is longer than "
                 f"max_model_len ({self.config.max_model_len})"
             )
         num_blocks = self.kv_cache_manager.num_blocks
         if cdiv(n, self.block_size) > num_blocks:
             raise ValueError(
-                f"request {request.request_id}: the prompt ({n} tokens) needs "
+                f"request {request_id}: the prompt ({n} tokens) needs "
                 f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "
                 f"(of {self.block_size} tokens each)"
             )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; `ValueError` if its prompt can never be scheduled."""
+        self.check_prompt(request.request_id, request.num_prompt_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         max_tokens = request.sampling_params.max_tokens
         request.max_num_tokens = (
-            self.max_len if max_tokens is None else min(self.max_len, n + max_tokens)
+            self.max_len
+            if max_tokens is None
+            else min(self.max_len, request.num_prompt_tokens + max_tokens)
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -12,6 +12,7 @@ import msgspec
 
 from minivllm.config import ModelConfig
 from minivllm.frontend.tokenizer import Tokenizer, encode, max_token_id
+from minivllm.protocol.limits import MAX_USER_REQUEST_ID_CHARS
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -62,6 +63,11 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or len(request_id) > MAX_USER_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must be a str of at most {MAX_USER_REQUEST_ID_CHARS} characters, "
+                f"got {request_id!r:.80}"
+            )
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         self._validate_params(params)

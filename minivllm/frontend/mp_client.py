@@ -30,6 +30,7 @@ from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
+from minivllm.protocol.limits import MAX_ABORT_IDS
 from minivllm.protocol.messages import (
     Abort,
     ClientHello,
@@ -41,7 +42,7 @@ from minivllm.protocol.messages import (
     UtilityCall,
     UtilityMethod,
 )
-from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder
+from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +156,12 @@ class _MPClient:
         self.last_heard = time.monotonic()
         try:
             msg = self.decoder.decode(frames)
-        except ValueError as e:
-            logger.warning("dropped an undecodable message from the engine-core: %s", e)
+        except ProtocolError as e:
+            logger.warning(
+                "dropped a message from the engine-core's side (%s): %s",
+                transport.peer_of(frames[0]),
+                e,
+            )
             return None
         if not isinstance(msg, EngineCoreOutputs):
             return None
@@ -211,8 +216,9 @@ class SyncMPClient(_MPClient, EngineCoreClient):
         self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
-            self._send(Abort(request_ids))
+        if self.dead_reason is None:
+            for abort in _aborts(request_ids):
+                self._send(abort)
 
     def _recv_one(self) -> None:
         frames = transport.recv_msg(self.output_sock, timeout_ms=_POLL_MS)
@@ -321,8 +327,9 @@ class AsyncMPClient(_MPClient):
         await self._send(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None and not self._closed:
-            await self._send(Abort(request_ids))
+        if self.dead_reason is None and not self._closed:
+            for abort in _aborts(request_ids):
+                await self._send(abort)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_started()
@@ -355,3 +362,9 @@ class AsyncMPClient(_MPClient):
         self.output_async.close(linger=0)
         self.input_sock = self.output_sock = None
         self._close()
+
+
+def _aborts(request_ids: list[str]) -> list[Abort]:
+    """`request_ids` as Abort messages of at most `MAX_ABORT_IDS` ids each."""
+    step = MAX_ABORT_IDS
+    return [Abort(request_ids[i : i + step]) for i in range(0, len(request_ids), step)]

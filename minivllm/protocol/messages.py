@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from minivllm.protocol.limits import AbortIds, EosTokenIds, PromptTokenIds, RequestId
 from minivllm.protocol.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 2
@@ -39,12 +40,13 @@ class FinishReason(enum.IntEnum):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A tokenized, validated request. `request_id` is the engine-internal unique id."""
+    """A tokenized, validated request. `request_id` is the engine-internal unique id.
+    Sizes are bounded on decode (see limits.py); the engine-core checks max_model_len next."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: RequestId
+    prompt_token_ids: PromptTokenIds
     sampling_params: SamplingParams
-    eos_token_ids: list[int] = []
+    eos_token_ids: EosTokenIds = []
     arrival_time: float = 0.0
     client_id: int = 0  # filled in by the engine-core from the sending socket
 
@@ -52,7 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class Abort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Abort these engine-internal request ids (unknown or finished ids are ignored)."""
 
-    request_ids: list[str]
+    request_ids: AbortIds
 
 
 class UtilityMethod(enum.IntEnum):

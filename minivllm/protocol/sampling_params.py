@@ -6,6 +6,15 @@ import enum
 
 import msgspec
 
+from minivllm.protocol.limits import (
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    StopStrings,
+    StopTokenIds,
+)
+
 GREEDY_EPS = 1e-5  # a temperature below this means greedy, everywhere it is decided
 
 
@@ -29,8 +38,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -41,6 +50,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self._validate_sizes()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -74,6 +84,26 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         ):
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
+
+    def _validate_sizes(self) -> None:
+        """The bounds a receiver enforces on decode (limits.py), as errors for the user."""
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
+        if self.stop is not None:
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(
+                    f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+                )
+            longest = max((len(s) for s in self.stop), default=0)
+            if longest > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {longest}"
+                )
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
             )
 
     @property

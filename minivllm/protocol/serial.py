@@ -18,11 +18,12 @@ the socket allows, so no bytes received are ever unpickled or turned into code.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
+from minivllm.protocol.limits import MAX_PROMPT_TOKENS
 from minivllm.protocol.messages import (
     Abort,
     ClientHello,
@@ -76,7 +77,10 @@ WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded,
 DEFAULT_AUX_THRESHOLD: int | None = 256
 ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 
-_INT32 = np.dtype("<i4")  # explicit byte order: tcp:// peers may differ in endianness
+_INT32 = np.dtype("<i4")
+_Slots = Annotated[
+    list[int], msgspec.Meta(max_length=1 << 16)
+]  # id frames in one message  # explicit byte order: tcp:// peers may differ in endianness
 Frames = list[bytes | memoryview]
 
 
@@ -129,16 +133,21 @@ class MsgEncoder:
 class MsgDecoder:
     """Decodes frames into one of `allowed`; anything else raises `ProtocolError`.
 
-    Stateless after construction, so one instance may serve several threads.
+    An id frame of more than `max_ids` ids is refused before it becomes a list (the engine-core
+    passes max_model_len). Stateless after construction, so one instance may serve several
+    threads.
     """
 
-    def __init__(self, allowed: Sequence[type[msgspec.Struct]]) -> None:
+    def __init__(
+        self, allowed: Sequence[type[msgspec.Struct]], max_ids: int = MAX_PROMPT_TOKENS
+    ) -> None:
         unknown = [cls.__name__ for cls in allowed if cls not in TAGS]
         if unknown:
             raise TypeError(f"not registered wire messages: {unknown}")
         self.allowed = tuple(allowed)
+        self.max_ids = max_ids
         self._decoders = {TAGS[cls][0]: msgspec.msgpack.Decoder(cls) for cls in allowed}
-        self._slot_decoder = msgspec.msgpack.Decoder(list[int])
+        self._slot_decoder = msgspec.msgpack.Decoder(_Slots)
 
     def decode(self, frames: Sequence[bytes | memoryview | Any]) -> Any:
         """Decode `frames` (bytes, memoryviews or zmq.Frames) into an allowed Struct."""
@@ -189,6 +198,11 @@ class MsgDecoder:
             buf = memoryview(frame)
             if buf.nbytes % _INT32.itemsize:
                 raise ProtocolError(f"id frame of {buf.nbytes} bytes is not int32")
+            if buf.nbytes // _INT32.itemsize > self.max_ids:
+                raise ProtocolError(
+                    f"id frame of {buf.nbytes // _INT32.itemsize} ids is over the limit of "
+                    f"{self.max_ids}"
+                )
             setattr(owner, field, np.frombuffer(buf, dtype=_INT32).tolist())
 
 

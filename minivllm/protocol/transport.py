@@ -1,8 +1,9 @@
 """ZMQ sockets for the frontend ⇄ engine-core ⇄ worker links: addresses, options, send/recv.
 
 Sockets are created here with the same options everywhere: unbounded high-water marks (a
-message ZMQ accepted is never dropped), a bounded linger (closing never hangs for long) and
-IPv6 when the address needs it. ROUTER sockets prefix every message with the peer's
+message ZMQ accepted is never dropped), a bounded frame size (`zmq.MAXMSGSIZE`: a bigger
+frame is refused from its size header and its connection closed), a bounded linger (closing
+never hangs for long) and IPv6 when the address needs it. ROUTER sockets prefix every message with the peer's
 identity frame; `send_to`/`recv_from` add and strip it.
 """
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
+from minivllm.protocol.limits import MAX_MESSAGE_BYTES
 
 # Closing a socket waits at most this long for queued messages (a final "engine dead"
 # frame still gets out); shutdown paths pass linger=0 to `close_socket`.
@@ -66,10 +69,13 @@ def cleanup_ipc(ipc_dir: str) -> None:
 # ---------------------------------------------------------------- sockets
 
 
-def _new_socket(ctx: zmq.Context, socket_type: int, address: str) -> zmq.Socket:
+def _new_socket(
+    ctx: zmq.Context, socket_type: int, address: str, max_message_bytes: int
+) -> zmq.Socket:
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.LINGER, DEFAULT_LINGER_MS)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
@@ -79,10 +85,15 @@ def _new_socket(ctx: zmq.Context, socket_type: int, address: str) -> zmq.Socket:
     return sock
 
 
-def bind_socket(ctx: zmq.Context, socket_type: int, address: str) -> tuple[zmq.Socket, str]:
+def bind_socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    address: str,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> tuple[zmq.Socket, str]:
     """Create a socket bound to `address`; returns it and the real address (tcp port 0
     becomes the chosen port). Works with `zmq.asyncio.Context` too."""
-    sock = _new_socket(ctx, socket_type, address)
+    sock = _new_socket(ctx, socket_type, address, max_message_bytes)
     try:
         sock.bind(address)
     except zmq.ZMQError:
@@ -93,11 +104,15 @@ def bind_socket(ctx: zmq.Context, socket_type: int, address: str) -> tuple[zmq.S
 
 
 def connect_socket(
-    ctx: zmq.Context, socket_type: int, address: str, identity: bytes | None = None
+    ctx: zmq.Context,
+    socket_type: int,
+    address: str,
+    identity: bytes | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> zmq.Socket:
     """Create a socket connected to `address`. `identity` names a DEALER to its ROUTER peer
     (it must be unique among that ROUTER's peers)."""
-    sock = _new_socket(ctx, socket_type, address)
+    sock = _new_socket(ctx, socket_type, address, max_message_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(address)
@@ -150,6 +165,21 @@ def recv_from(
     if frames is None:
         return None
     return frames[0].tobytes(), frames[1:]  # ROUTER always prepends the identity frame
+
+
+def peer_of(frame: Any) -> str:
+    """Who sent a received frame (a memoryview from `recv_msg`, or a zmq.Frame), for logs:
+    "127.0.0.1" over tcp, "pid 1234 (uid 1000)" over ipc (the kernel's peer credentials)."""
+    frame = getattr(frame, "obj", frame)  # recv_msg's memoryviews keep their zmq.Frame
+    try:
+        address = frame.get("Peer-Address")
+    except (AttributeError, zmq.ZMQError):
+        return "an unknown peer"
+    host, _, cred = address.partition(":")
+    parts = cred.split(":")
+    if host == "localhost" and len(parts) == 3:  # ipc: uid:gid:pid
+        return f"pid {parts[2]} (uid {parts[0]})"
+    return address
 
 
 async def send_msg_async(sock: zmq.asyncio.Socket, frames: Frames, copy: bool = False) -> None:

@@ -35,7 +35,7 @@ from minivllm.protocol.messages import (
     WorkerLoaded,
     WorkerReady,
 )
-from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
+from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder, ProtocolError
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.step_profiler import StepProfiler
 
@@ -61,7 +61,7 @@ def run_worker(
     # `results` has a context of its own, so a failing worker can wait for its error to
     # leave before it exits (`transport.close_and_flush`)
     results = transport.connect_socket(zmq.Context(), zmq.PUSH, result_address)
-    decoder = MsgDecoder(CORE_TO_WORKER)
+    decoder = MsgDecoder(CORE_TO_WORKER, max_ids=config.model.max_model_len)
     # only the sender thread touches `results` (ZMQ sockets are not thread-safe)
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(
@@ -77,8 +77,13 @@ def run_worker(
             frames = transport.recv_msg(steps)
             try:
                 return decoder.decode(frames)
-            except ValueError as e:
-                logger.warning("worker %d dropped an undecodable message: %s", rank, e)
+            except ProtocolError as e:
+                logger.warning(
+                    "worker %d dropped a message on its step socket from %s: %s",
+                    rank,
+                    transport.peer_of(frames[0]),
+                    e,
+                )
 
     step_id = -1
     try:

@@ -1,0 +1,52 @@
+"""How much one message may carry: the same bounds for the peer that decodes and the user
+who builds it.
+
+A receiver enforces them before it allocates for a message: ZMQ refuses a frame over its
+socket's `zmq.MAXMSGSIZE` from the size header and closes that connection, msgspec checks a
+list's or string's length from its header (the `Annotated` fields of the wire types), and
+`MsgDecoder` checks an id frame's length before it turns the frame into a list. The frontend
+checks the same numbers first and raises a `ValueError` naming the parameter, so a well-formed
+client never sends what a receiver drops.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+# Any one frame on an engine-internal socket (engine-core ⇄ workers, outputs to clients).
+MAX_MESSAGE_BYTES = 64 << 20
+# Any one frame a client sends the engine-core: a request's prompt travels as an int32 frame
+# of at most max_model_len ids; everything else of one request fits well within this.
+MAX_REQUEST_BODY_BYTES = 4 << 20
+# Any one frame on a socket that only carries start-up talk (a client's route registration).
+MAX_CONTROL_BYTES = 64 << 10
+
+MAX_REQUEST_ID_CHARS = 512  # an engine-internal id: the user's id plus a unique suffix
+MAX_USER_REQUEST_ID_CHARS = 256  # what a user may pass as request_id
+MAX_PROMPT_TOKENS = 1 << 22  # on the wire; the engine-core then checks max_model_len
+MAX_EOS_TOKEN_IDS = 64
+MAX_N = 128  # completions per request (OpenAI's limit)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ABORT_IDS = 1 << 16  # request ids in one Abort; a client sends more as several
+
+
+def request_frame_bytes(max_model_len: int) -> int:
+    """`zmq.MAXMSGSIZE` of the engine-core's input socket: a prompt of `max_model_len`
+    int32 ids in its own frame, or any other part of a request."""
+    return MAX_REQUEST_BODY_BYTES + 4 * max_model_len
+
+
+# Field types that carry their bound, for the wire types: msgspec checks them on decode.
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+PromptTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+EosTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_EOS_TOKEN_IDS)]
+AbortIds = Annotated[list[RequestId], msgspec.Meta(max_length=MAX_ABORT_IDS)]
+StopStrings = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
+    msgspec.Meta(max_length=MAX_STOP_STRINGS),
+]
+StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
