@@ -11,24 +11,10 @@ import torch
 from minivllm import LLM, SamplingParams
 from tests.frontend.test_logits_processing import penalized
 from tests.hf_reference import hf_logits, parity_prompts
-from tests.tiny_models import build_checkpoint
+from tests.worker import test_gpu_runner
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def gpu_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A small random Qwen3 with head_dim 64 (the Triton attention kernels' tile sizes)."""
-    return build_checkpoint(
-        str(tmp_path_factory.mktemp("gpu_sampling") / "qwen3"),
-        "qwen3",
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        seed=11,
-    )
+small_dir = test_gpu_runner.small_dir  # the fixture: a small Qwen3 the Triton kernels take
 
 
 def run(path: str, params: list[SamplingParams], **kw) -> list:
@@ -43,13 +29,13 @@ def run(path: str, params: list[SamplingParams], **kw) -> list:
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("bfloat16", 0.25)])
-def test_logprobs_on_the_device_match_transformers(gpu_dir: str, dtype: str, tol: float) -> None:
+def test_logprobs_on_the_device_match_transformers(small_dir: str, dtype: str, tol: float) -> None:
     plain = SamplingParams(temperature=0, max_tokens=12, logprobs=5, prompt_logprobs=3)
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, logprobs=2, ignore_eos=True)
-    outs = run(gpu_dir, [plain, sampled, plain, SamplingParams(max_tokens=12)], dtype=dtype)
+    outs = run(small_dir, [plain, sampled, plain, SamplingParams(max_tokens=12)], dtype=dtype)
     for prompt, out in zip(parity_prompts(), outs[:3], strict=False):
         c = out.outputs[0]
-        ref = hf_logits(gpu_dir, prompt + c.token_ids).log_softmax(-1)
+        ref = hf_logits(small_dir, prompt + c.token_ids).log_softmax(-1)
         for pos, (entry, token) in enumerate(zip(c.logprobs, c.token_ids, strict=True)):
             row = ref[len(prompt) - 1 + pos]
             assert next(iter(entry)) == token
@@ -63,7 +49,7 @@ def test_logprobs_on_the_device_match_transformers(gpu_dir: str, dtype: str, tol
     assert outs[3].outputs[0].logprobs is None
 
 
-def test_processing_on_the_device_follows_the_definitions(gpu_dir: str) -> None:
+def test_processing_on_the_device_follows_the_definitions(small_dir: str) -> None:
     """Penalties, bias, bad tokens and allowed ids, batched with different settings per
     request, in float32 with processed logprobs: greedy tokens and logprobs as defined."""
     settings = [
@@ -76,13 +62,13 @@ def test_processing_on_the_device_follows_the_definitions(gpu_dir: str) -> None:
         SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True, **s)
         for s in settings
     ]
-    outs = run(gpu_dir, params, dtype="float32", logprobs_mode="processed_logprobs")
+    outs = run(small_dir, params, dtype="float32", logprobs_mode="processed_logprobs")
     for prompt, p, out in zip(parity_prompts(), params, outs, strict=False):
         tokens = out.outputs[0].token_ids
-        logits = hf_logits(gpu_dir, prompt + tokens)[len(prompt) - 1 : -1]
+        logits = hf_logits(small_dir, prompt + tokens)[len(prompt) - 1 : -1]
         for step, (entry, row) in enumerate(zip(out.outputs[0].logprobs, logits, strict=True)):
             ref = penalized(row, prompt, tokens[:step], p).log_softmax(-1)
             for t, lp in entry.items():
                 assert abs(lp.logprob - ref[t].item()) < 2e-3
     allowed = SamplingParams(temperature=1.0, max_tokens=30, allowed_token_ids=[5, 9], seed=2)
-    assert set(run(gpu_dir, [allowed])[0].outputs[0].token_ids) <= {5, 9}
+    assert set(run(small_dir, [allowed])[0].outputs[0].token_ids) <= {5, 9}
