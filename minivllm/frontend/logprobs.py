@@ -42,9 +42,9 @@ class RequestLogprobs:
         """Every position so far (a copy), or only the `last` ones (DELTA)."""
         if self.num_logprobs is None:
             return None
-        for arrays in self._pending:
-            self._append(self._sample, arrays, self.num_logprobs)
-        self._pending.clear()
+        if self._pending:  # all steps' rows at once: one conversion to lists, not one per step
+            self._append(self._sample, LogprobsArrays.concat(self._pending), self.num_logprobs)
+            self._pending.clear()
         if last is not None:
             return self._sample[len(self._sample) - last :] if last else []
         return list(self._sample)
@@ -62,14 +62,16 @@ class RequestLogprobs:
 
     def _append(self, into: list, arrays: LogprobsArrays, num: int) -> None:
         width = arrays.token_ids.shape[1] if num == -1 else num + 1
+        top_ranks = range(1, width)
+        no_texts = [None] * width
         for ids, values, rank in zip(
             arrays.token_ids[:, :width].tolist(),
             arrays.logprobs[:, :width].tolist(),
             arrays.ranks.tolist(),
             strict=True,
         ):
-            texts = self._texts(ids, into) if self.texts is not None else [None] * len(ids)
-            ranks = [rank, *range(1, len(ids))]
+            texts = no_texts if self.texts is None else self._texts(ids, into)
+            ranks = [rank, *top_ranks]
             # the own token first; if it is among the top-k too, that entry's rank wins
             into.append(
                 {t: Logprob(v, r, s) for t, v, r, s in zip(ids, values, ranks, texts, strict=True)}
