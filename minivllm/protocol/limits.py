@@ -32,6 +32,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ABORT_IDS = 1 << 16  # request ids in one Abort; a client sends more as several
+MAX_LOGIT_BIAS = 1 << 16  # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a vocabulary's worth (the largest are ~256k)
+MAX_BAD_WORDS = 1024  # each at most MAX_STOP_STRING_CHARS characters
 
 
 def request_frame_bytes(max_model_len: int) -> int:
@@ -50,3 +53,17 @@ StopStrings = Annotated[
     msgspec.Meta(max_length=MAX_STOP_STRINGS),
 ]
 StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+AllowedTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_ALLOWED_TOKEN_IDS)]
+BadWords = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
+    msgspec.Meta(max_length=MAX_BAD_WORDS),
+]
+# the frontend's tokenization of bad_words: one or two sequences per word
+BadWordsTokenIds = Annotated[
+    list[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
+    msgspec.Meta(max_length=2 * MAX_BAD_WORDS),
+]
+AllStopTokenIds = Annotated[
+    list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS)
+]

@@ -32,15 +32,24 @@ from minivllm.protocol.transport import (
         ({"stop": ["x"] * (limits.MAX_STOP_STRINGS + 1)}, "stop"),
         ({"stop": ["x" * (limits.MAX_STOP_STRING_CHARS + 1)]}, "stop"),
         ({"stop_token_ids": [1] * (limits.MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        ({"logit_bias": dict.fromkeys(range(limits.MAX_LOGIT_BIAS + 1), 1.0)}, "logit_bias"),
+        ({"allowed_token_ids": [1] * (limits.MAX_ALLOWED_TOKEN_IDS + 1)}, "allowed_token_ids"),
+        ({"bad_words": [f"w{i}" for i in range(limits.MAX_BAD_WORDS + 1)]}, "bad_words"),
+        ({"bad_words": ["x" * (limits.MAX_STOP_STRING_CHARS + 1)]}, "bad_words"),
     ],
 )
 def test_user_hears_which_parameter_is_too_big(kwargs: dict, parameter: str) -> None:
     with pytest.raises(ValueError, match=rf"^{parameter}\b"):
         SamplingParams(**kwargs)
-    at_limit = {k: v[:-1] if isinstance(v, list) else v - 1 for k, v in kwargs.items()}
-    if parameter == "stop" and len(kwargs["stop"]) == 1:
-        at_limit = {"stop": ["x" * limits.MAX_STOP_STRING_CHARS]}
-    SamplingParams(**at_limit)  # the limit itself is allowed
+    SamplingParams(**{k: _one_less(v) for k, v in kwargs.items()})  # the limit itself is fine
+
+
+def _one_less(value):
+    if isinstance(value, dict):
+        return dict(list(value.items())[:-1])
+    if isinstance(value, list) and len(value) == 1:
+        return [value[0][:-1]]
+    return value[:-1] if isinstance(value, list) else value - 1
 
 
 def _request_body(**fields) -> bytes:
