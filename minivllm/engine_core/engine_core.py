@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from minivllm.config import EngineConfig
+from minivllm.engine_core.admission import check_request
 from minivllm.engine_core.executor import Executor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
@@ -56,6 +57,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
+            check_request(request, self.config.model)
             self.scheduler.check_prompt(request.request_id, len(request.prompt_token_ids))
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             self.scheduler.add_request(req)
