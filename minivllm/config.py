@@ -78,6 +78,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int
     distributed_executor_backend: str  # "mp": worker processes; "uni": in-process (tests)
+    # seconds a step's results may take before the engine is declared dead (None: no limit);
+    # the first step, which compiles and captures, has none
+    execute_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     async_scheduling: bool = True
     distributed_executor_backend: str = "mp"
+    execute_timeout: float = 300.0  # seconds a step may take; 0: no limit
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -186,6 +190,11 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.execute_timeout, (int, float)) or not self.execute_timeout >= 0:
+            raise ValueError(
+                f"execute_timeout must be a number of seconds >= 0 (0: no limit), "
+                f"got {self.execute_timeout!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -275,6 +284,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=tp,
                 distributed_executor_backend=self.distributed_executor_backend,
+                execute_timeout=float(self.execute_timeout) or None,
             ),
             device=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 
 import zmq
@@ -38,12 +39,22 @@ class StepFuture:
     def __init__(self, executor: MultiprocExecutor, step_id: int) -> None:
         self.executor = executor
         self.step_id = step_id
+        self.sent_at = time.monotonic()
 
     def result(self) -> ModelRunnerOutput:
+        ex = self.executor
+        # a step queued behind another starts its clock when that one's result is in
+        timeout = ex.execute_timeout if ex.num_results else None
         while True:
-            out = self.executor._poll_output(self.step_id, timeout_ms=_POLL_MS)
+            out = ex._poll_output(self.step_id, timeout_ms=_POLL_MS)
             if out is not None:
+                ex.num_results += 1
+                ex.last_result_at = time.monotonic()
                 return out
+            if timeout is not None and time.monotonic() - timeout > max(
+                self.sent_at, ex.last_result_at
+            ):
+                ex.fail_hung_step(self.step_id, f"sent no result for step {self.step_id}")
 
 
 class MultiprocExecutor(Executor):
@@ -66,11 +77,16 @@ class MultiprocExecutor(Executor):
         self.death_pipes = []
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._dead: str | None = None
+        self.execute_timeout = config.parallel.execute_timeout
+        self.num_results = 0  # the first step (compiling, capturing) has no time limit
+        self.last_result_at = 0.0
         try:
             for rank in range(tp):
                 sock, addr = transport.bind_socket(
                     self.ctx, zmq.PUSH, transport.ipc_address(self.ipc_dir, f"steps-{rank}")
                 )
+                # with no worker connected a send would block for good: see _broadcast
+                sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
                 self.step_socks.append(sock)
                 proc, ready, death = spawn(
                     run_worker,
@@ -125,8 +141,18 @@ class MultiprocExecutor(Executor):
 
     def _broadcast(self, msg) -> None:
         frames = self.encoder.encode(msg)
-        for sock in self.step_socks:
-            transport.send_msg(sock, frames, copy=True)
+        transport.check_size(frames, f"{type(msg).__name__} for the workers")
+        deadline = None
+        for rank, sock in enumerate(self.step_socks):
+            while True:
+                try:
+                    transport.send_msg(sock, frames, copy=True)
+                    break
+                except zmq.Again:  # this worker is not connected: it died, or was cut off
+                    self.check_health()
+                    deadline = deadline or time.monotonic() + (self.execute_timeout or 1e9)
+                    if time.monotonic() > deadline:
+                        self.fail_hung_step(None, f"did not take {type(msg).__name__}", rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
         # a dead worker is noticed when waiting for its answer times out (every 100 ms)
@@ -164,6 +190,24 @@ class MultiprocExecutor(Executor):
             )
             return None
 
+    def fail_hung_step(self, step_id: int | None, what: str, rank: int = 0) -> None:
+        """A worker has not answered within execute_timeout: log every worker's stacks, kill
+        them all and raise EngineDeadError naming the rank."""
+        proc = self.procs[rank]
+        self._dead = (
+            f"worker rank {rank} (pid {proc.pid}) {what} within execute_timeout "
+            f"({self.execute_timeout:g} s); the engine stopped and its workers were killed"
+        )
+        if len(self.procs) > 1:
+            self._dead += " (with tensor parallelism the stuck rank may be another one)"
+        logger.error("%s; the workers' Python stacks follow", self._dead)
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGUSR1)  # faulthandler in the worker prints its stacks
+        time.sleep(0.5)
+        terminate(self.procs, timeout=2.0)
+        raise EngineDeadError(self._dead)
+
     def _dead_worker(self) -> str | None:
         for p in self.procs:
             if not p.is_alive():
@@ -198,7 +242,7 @@ class MultiprocExecutor(Executor):
             return
         self._shut = True
         if self._dead is None and self.step_socks:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, EngineDeadError):
                 self._broadcast(ShutdownWorker())
             deadline = time.monotonic() + 2.0
             for p in self.procs:

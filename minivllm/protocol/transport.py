@@ -152,6 +152,17 @@ def recv_msg(sock: zmq.Socket, timeout_ms: int | None = None) -> list[memoryview
     return [frame.buffer for frame in sock.recv_multipart(copy=False)]
 
 
+def check_size(frames: Frames, what: str, limit: int = MAX_MESSAGE_BYTES) -> None:
+    """Raise ValueError if a frame is over `limit`: the peer's socket would refuse it and
+    close the connection for good, so the sender must fail loudly instead."""
+    for frame in frames:
+        if memoryview(frame).nbytes > limit:
+            raise ValueError(
+                f"{what}: a frame of {memoryview(frame).nbytes} bytes is over the "
+                f"{limit}-byte limit"
+            )
+
+
 def send_to(sock: zmq.Socket, identity: bytes, frames: Frames, copy: bool = False) -> None:
     """Send `frames` from a ROUTER socket to the peer named `identity`."""
     sock.send_multipart([identity, *frames], copy=copy)

@@ -11,6 +11,7 @@ would block forever in its next collective, so the engine-core tears all ranks d
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -52,6 +53,8 @@ def run_worker(
 ) -> None:
     die_with_parent(death_pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
+    # a step that hangs: the engine-core asks for the stacks before it kills us
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # the main thread and the sender thread hand the GIL back and forth every step
     sys.setswitchinterval(0.0005)
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
@@ -132,14 +135,17 @@ def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
     """Send what the main thread queues, in order; a step's output once its sampled ids
     have reached the host. None ends the loop."""
     encoder = MsgEncoder()
+    what = f"worker rank {rank}'s results"
     while (item := outbox.get()) is not None:
         try:
             msg = item.get() if isinstance(item, AsyncModelRunnerOutput) else item
+            frames = encoder.encode(msg)
+            transport.check_size(frames, what)
         except Exception:
-            error = ModelRunnerOutput(item.step_id, error=_log_failure(rank))
+            error = ModelRunnerOutput(getattr(item, "step_id", -1), error=_log_failure(rank))
             transport.send_msg(results, encoder.encode(error))
             _flush_and_exit(results)
-        transport.send_msg(results, encoder.encode(msg))
+        transport.send_msg(results, frames)
 
 
 def _rendezvous(rank: int, send, recv):
