@@ -6,6 +6,7 @@ from minivllm.frontend.async_llm import AsyncLLM
 from minivllm.frontend.llm import LLM
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "Logprob",
     "EngineDeadError",
     "EngineStartupError",
+    "CurveClientKeys",
 ]

@@ -28,7 +28,8 @@ import zmq
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
 from minivllm.process_utils import die_with_parent
-from minivllm.protocol import transport
+from minivllm.protocol import auth, transport
+from minivllm.protocol.auth import CurveServerKeys
 from minivllm.protocol.limits import MAX_CONTROL_BYTES, request_frame_bytes
 from minivllm.protocol.messages import (
     PROTOCOL_VERSION,
@@ -59,18 +60,28 @@ def client_identity(client_id: int) -> bytes:
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        curve: CurveServerKeys | None = None,
+    ) -> None:
         self.config = config
+        for address in (input_address, output_address):
+            auth.check_listen_address(address, curve)
         self.ctx = zmq.Context()
+        self.authenticator = auth.start_authenticator(self.ctx, curve) if curve else None
         # bound before the (slow) engine start, so clients can connect and queue right away
         self.input_sock, self.input_address = transport.bind_socket(
             self.ctx,
             zmq.ROUTER,
             input_address,
             max_message_bytes=request_frame_bytes(config.model.max_model_len),
+            curve=curve,
         )
         self.output_sock, self.output_address = transport.bind_socket(
-            self.ctx, zmq.ROUTER, output_address, max_message_bytes=MAX_CONTROL_BYTES
+            self.ctx, zmq.ROUTER, output_address, max_message_bytes=MAX_CONTROL_BYTES, curve=curve
         )
         self.engine_core = EngineCore(config)
         self.input_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -160,6 +171,8 @@ class EngineCoreProc:
             transport.close_socket(self.input_sock, linger=0)
             # the bounded linger lets the death notice above reach the clients
             transport.close_socket(self.output_sock)
+            if self.authenticator is not None:
+                self.authenticator.stop()
             self.ctx.term()
 
     # ------------------------------------------------------------------ I/O threads
@@ -292,8 +305,10 @@ def run_engine_core(
     ready_pipe: Connection | None = None,
     death_pipe: Connection | None = None,
     daemon: bool = False,
+    curve: CurveServerKeys | None = None,
 ) -> None:
-    """Process entry point. A spawned engine-core dies with its frontend; a daemon does not."""
+    """Process entry point. A spawned engine-core dies with its frontend; a daemon does not.
+    With `curve`, only clients holding authorized keys get through (see protocol/auth.py)."""
     if not daemon:
         die_with_parent(death_pipe)
     logging.basicConfig(
@@ -311,7 +326,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        proc = EngineCoreProc(config, input_address, output_address)
+        proc = EngineCoreProc(config, input_address, output_address, curve)
     except BaseException as e:
         cause = "".join(traceback.format_exception_only(type(e), e)).strip()
         error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"

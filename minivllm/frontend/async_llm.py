@@ -18,6 +18,7 @@ from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -49,9 +50,11 @@ class AsyncLLM:
         return cls(config.model, AsyncMPClient(config))
 
     @classmethod
-    def connect(cls, address: str) -> AsyncLLM:
-        """Attach to a running `minivllm engine-core` daemon at `address`."""
-        client = AsyncMPClient.connect(address)
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> AsyncLLM:
+        """Attach to a running `minivllm engine-core` daemon at `address`. `curve`: the keys
+        a daemon on a network address asks for (`CurveClientKeys.load(server_key,
+        secret_key)`)."""
+        client = AsyncMPClient.connect(address, curve)
         return cls(attached_engine_config(client.info).model, client)
 
     @property

@@ -1,4 +1,4 @@
-"""`minivllm` command line: the engine-core daemon and the benchmarks."""
+"""`minivllm` command line: the engine-core daemon, its keys and the benchmarks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description="mini-vllm inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_core(sub)
+    _add_keygen(sub)
     from minivllm.frontend.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -34,8 +35,40 @@ def _add_engine_core(sub: argparse._SubParsersAction) -> None:
         help="input address: ipc:///path or tcp://HOST:PORT (default: an ipc socket in a "
         "private directory; tcp binds 127.0.0.1 unless a host is given)",
     )
+    p.add_argument(
+        "--curve-secret-key",
+        default=None,
+        metavar="FILE",
+        help="this engine-core's CURVE secret key (NAME.key_secret from `minivllm keygen`); "
+        "needed, with --curve-clients, to listen on a tcp address other than loopback",
+    )
+    p.add_argument(
+        "--curve-clients",
+        default=None,
+        metavar="DIR",
+        help="directory of the public keys (*.key) of the clients allowed to connect",
+    )
     add_engine_args(p)
     p.set_defaults(func=_run_engine_core)
+
+
+def _add_keygen(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "keygen",
+        help="make a CURVE key pair for an engine-core or one of its clients",
+        description="Write DIR/NAME.key (the public key: give it to the peer) and "
+        "DIR/NAME.key_secret (mode 600: keep it).",
+    )
+    p.add_argument("dir", help="directory for the key files (made with mode 700 if missing)")
+    p.add_argument("--name", default="server", help="file name of the pair (default: server)")
+    p.set_defaults(func=_run_keygen)
+
+
+def _run_keygen(args: argparse.Namespace) -> None:
+    from minivllm.protocol.auth import generate_keys
+
+    public, secret = generate_keys(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret}")
 
 
 def daemon_addresses(address: str | None) -> tuple[str, str, str | None]:
@@ -62,16 +95,26 @@ def _run_engine_core(args: argparse.Namespace) -> None:
     from minivllm.engine_core.core_process import run_engine_core
     from minivllm.frontend.arg_utils import engine_args_from
     from minivllm.protocol import transport
+    from minivllm.protocol.auth import CurveServerKeys, check_listen_address
 
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    input_address, output_address, ipc_dir = daemon_addresses(args.address)
     try:
+        curve = None
+        if args.curve_secret_key or args.curve_clients:
+            if not (args.curve_secret_key and args.curve_clients):
+                raise ValueError("--curve-secret-key and --curve-clients go together")
+            curve = CurveServerKeys.load(args.curve_secret_key, args.curve_clients)
+        for address in (input_address, output_address):
+            check_listen_address(address, curve)
         config = engine_args_from(args).create_engine_config()
     except ValueError as e:
+        if ipc_dir is not None:
+            transport.cleanup_ipc(ipc_dir)
         raise SystemExit(f"minivllm engine-core: {e}") from None
-    input_address, output_address, ipc_dir = daemon_addresses(args.address)
     print(f"engine-core address: {input_address}", flush=True)
     try:
-        run_engine_core(config, input_address, output_address, daemon=True)
+        run_engine_core(config, input_address, output_address, daemon=True, curve=curve)
     finally:
         if ipc_dir is not None:
             transport.cleanup_ipc(ipc_dir)

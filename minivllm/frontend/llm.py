@@ -12,6 +12,7 @@ import msgspec
 from minivllm.config import EngineArgs
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
+from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -29,12 +30,13 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def connect(cls, address: str) -> LLM:
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> LLM:
         """Attach to a running `minivllm engine-core` daemon instead of starting an engine;
-        `shutdown()` then detaches and leaves the daemon running."""
+        `shutdown()` then detaches and leaves the daemon running. `curve`: the keys a daemon
+        on a network address asks for (`CurveClientKeys.load(server_key, secret_key)`)."""
         llm = cls.__new__(cls)
         llm.engine_args = None
-        llm.llm_engine = LLMEngine.connect(address)
+        llm.llm_engine = LLMEngine.connect(address, curve)
         llm._counter = itertools.count()
         return llm
 

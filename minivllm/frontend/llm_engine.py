@@ -17,6 +17,7 @@ from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -42,9 +43,9 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     @classmethod
-    def connect(cls, address: str) -> LLMEngine:
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
-        client = SyncMPClient.connect(address)
+        client = SyncMPClient.connect(address, curve)
         return cls(attached_engine_config(client.info), client=client)
 
     def add_request(

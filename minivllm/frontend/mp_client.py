@@ -30,6 +30,7 @@ from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
+from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.limits import MAX_ABORT_IDS
 from minivllm.protocol.messages import (
     Abort,
@@ -57,8 +58,14 @@ T = TypeVar("T")
 class _MPClient:
     """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
 
-    def __init__(self, config: EngineConfig | None, address: str | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        address: str | None,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
+        self.curve = curve
         self.proc = None
         self.death_pipe = None
         self.ipc_dir: str | None = None
@@ -112,18 +119,19 @@ class _MPClient:
 
     def _attach(self, address: str) -> EngineCoreInfo:
         self.input_sock = transport.connect_socket(
-            self.ctx, zmq.DEALER, address, identity=self.identity
+            self.ctx, zmq.DEALER, address, identity=self.identity, curve=self.curve
         )
         hello = self.encoder.encode(ClientHello(self.client_id))
         transport.send_msg(self.input_sock, hello)
         info = self._wait_handshake(self.input_sock, EngineCoreInfo, address)
         if info.error:
             raise EngineStartupError(f"engine-core at {address} refused this client: {info.error}")
+        output_address = transport.reachable_address(info.output_address, address)
         self.output_sock = transport.connect_socket(
-            self.ctx, zmq.DEALER, info.output_address, identity=self.identity
+            self.ctx, zmq.DEALER, output_address, identity=self.identity, curve=self.curve
         )
         transport.send_msg(self.output_sock, hello)
-        self._wait_handshake(self.output_sock, RouteReady, info.output_address)
+        self._wait_handshake(self.output_sock, RouteReady, output_address)
         return info
 
     def _wait_handshake(self, sock: zmq.Socket, reply: type[T], address: str) -> T:
@@ -140,7 +148,12 @@ class _MPClient:
                 continue
             if isinstance(msg, reply):
                 return msg
-        raise EngineStartupError(f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S} s")
+        hint = ""
+        if address.startswith("tcp://"):  # a failed CURVE handshake is silent by design
+            hint = " (an engine-core with CURVE keys answers only clients holding the right ones)"
+        raise EngineStartupError(
+            f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S:.0f} s{hint}"
+        )
 
     def _check_alive(self) -> None:
         if self.dead_reason is None:
@@ -186,8 +199,13 @@ class _MPClient:
 class SyncMPClient(_MPClient, EngineCoreClient):
     """Blocking client; a small thread keeps the heartbeat going while the caller computes."""
 
-    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
-        super().__init__(config, address)
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        address: str | None = None,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        super().__init__(config, address, curve)
         self._send_lock = threading.Lock()
         self._pending: deque[EngineCoreOutputs] = deque()
         self._utility: dict[int, Any] = {}
@@ -196,8 +214,8 @@ class SyncMPClient(_MPClient, EngineCoreClient):
         self._beat.start()
 
     @classmethod
-    def connect(cls, address: str) -> SyncMPClient:
-        return cls(address=address)
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> SyncMPClient:
+        return cls(address=address, curve=curve)
 
     def _send(self, msg) -> None:
         frames = self.encoder.encode(msg)
@@ -261,8 +279,13 @@ class SyncMPClient(_MPClient, EngineCoreClient):
 class AsyncMPClient(_MPClient):
     """asyncio client (works under uvloop). Outputs are read by a task started on first use."""
 
-    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
-        super().__init__(config, address)
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        address: str | None = None,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        super().__init__(config, address, curve)
         # the handshake used the plain sockets; from here on the event loop owns them
         self.input_async = zmq.asyncio.Socket.from_socket(self.input_sock)
         self.output_async = zmq.asyncio.Socket.from_socket(self.output_sock)
@@ -272,8 +295,8 @@ class AsyncMPClient(_MPClient):
         self._closed = False
 
     @classmethod
-    def connect(cls, address: str) -> AsyncMPClient:
-        return cls(address=address)
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> AsyncMPClient:
+        return cls(address=address, curve=curve)
 
     def _ensure_started(self) -> None:
         if self._tasks and not any(t.done() for t in self._tasks):

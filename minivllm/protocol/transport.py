@@ -18,6 +18,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from minivllm.protocol import auth
+from minivllm.protocol.auth import CurveClientKeys, CurveServerKeys
 from minivllm.protocol.limits import MAX_MESSAGE_BYTES
 
 # Closing a socket waits at most this long for queued messages (a final "engine dead"
@@ -61,6 +63,17 @@ def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:
     return f"tcp://{host}:{port}"
 
 
+def reachable_address(bound: str, via: str) -> str:
+    """`bound`, an address a peer bound (on tcp perhaps a wildcard host: 0.0.0.0, ::, *), as
+    this side reaches it: on the host of `via`, the address that reached that peer."""
+    if not (bound.startswith("tcp://") and via.startswith("tcp://")):
+        return bound
+    host, port = bound[len("tcp://") :].rsplit(":", 1)
+    if host.strip("[]") not in ("0.0.0.0", "::", "*"):
+        return bound
+    return f"tcp://{via[len('tcp://') :].rsplit(':', 1)[0]}:{port}"
+
+
 def cleanup_ipc(ipc_dir: str) -> None:
     """Remove the socket files in `ipc_dir` and the directory itself; missing is fine."""
     shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -90,10 +103,14 @@ def bind_socket(
     socket_type: int,
     address: str,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    curve: CurveServerKeys | None = None,
 ) -> tuple[zmq.Socket, str]:
     """Create a socket bound to `address`; returns it and the real address (tcp port 0
-    becomes the chosen port). Works with `zmq.asyncio.Context` too."""
+    becomes the chosen port). With `curve`, only CURVE clients the context's authenticator
+    lets in can talk to it (see auth.py). Works with `zmq.asyncio.Context` too."""
     sock = _new_socket(ctx, socket_type, address, max_message_bytes)
+    if curve is not None:
+        auth.serve_with(sock, curve)
     try:
         sock.bind(address)
     except zmq.ZMQError:
@@ -109,10 +126,14 @@ def connect_socket(
     address: str,
     identity: bytes | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    curve: CurveClientKeys | None = None,
 ) -> zmq.Socket:
     """Create a socket connected to `address`. `identity` names a DEALER to its ROUTER peer
-    (it must be unique among that ROUTER's peers)."""
+    (it must be unique among that ROUTER's peers); `curve` holds the keys a CURVE server
+    asks for."""
     sock = _new_socket(ctx, socket_type, address, max_message_bytes)
+    if curve is not None:
+        auth.connect_with(sock, curve)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(address)
