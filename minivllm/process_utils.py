@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing
 import os
@@ -108,6 +109,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then keep what survived out of every later collection: a full one over
+    the start-up heap (torch, transformers, the tokenizer) takes ~100 ms, a stall of every
+    stream. Process-wide, so only for processes the engine owns (engine-core, workers, the
+    `minivllm` commands), never from inside the library in a caller's process."""
+    gc.collect()
+    gc.freeze()
 
 
 def describe_exit(proc: BaseProcess) -> str:

@@ -10,7 +10,6 @@ input queue only when it has no work.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -27,7 +26,7 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
-from minivllm.process_utils import die_with_parent
+from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import auth, transport
 from minivllm.protocol.auth import CurveServerKeys
 from minivllm.protocol.limits import MAX_CONTROL_BYTES, request_frame_bytes
@@ -98,8 +97,7 @@ class EngineCoreProc:
     def run(self) -> int:
         for t in self.threads:
             t.start()
-        gc.collect()
-        gc.freeze()  # the start-up heap never needs scanning again: shorter GC pauses
+        freeze_startup_heap()
         # a socket call releases the GIL; with the default 5 ms switch interval the busy loop
         # can then wait that long for an I/O thread to hand it back
         sys.setswitchinterval(0.0005)
@@ -226,7 +224,13 @@ class EngineCoreProc:
                     if now - seen > CLIENT_TIMEOUT_S:
                         del last_seen[client]
                         self.input_queue.put((client, _CLIENT_GONE))
-                        self.output_queue.put((client, _CLIENT_GONE))
+                        why = (
+                            f"it sent nothing for {now - seen:.1f} s, over the engine-core's "
+                            f"client timeout of {CLIENT_TIMEOUT_S:g} s (a client sends a "
+                            "heartbeat every second: was its event loop blocked?); "
+                            "its requests were aborted"
+                        )
+                        self.output_queue.put((client, EngineCoreOutputs(client_dropped=why)))
 
     def info(self, client: int = 0, hello: ClientHello | None = None) -> EngineCoreInfo:
         m = self.config.model
@@ -280,7 +284,9 @@ class EngineCoreProc:
                 return
             if item is not None:
                 client, msg = item
-                if msg == _CLIENT_GONE:
+                if msg.client_dropped is not None:  # its last message, if it still listens
+                    if client in routable:
+                        send(client, encoder.encode(msg))
                     routable.discard(client)
                     pending.pop(client, None)
                 elif client == _ALL:

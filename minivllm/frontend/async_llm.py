@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -38,11 +37,8 @@ class AsyncLLM:
         self._queues: dict[str, RequestOutputCollector] = {}  # by user request id
         self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
-        # Streaming makes a few objects per request per step, so collections are frequent;
-        # the start-up heap (torch, transformers, the tokenizer) never needs scanning again.
-        # Full collections over it cost ~100 ms each, a stall of every stream.
-        gc.collect()
-        gc.freeze()
+        # No gc.freeze() here: this is the caller's process. A service that streams a lot
+        # may call process_utils.freeze_startup_heap() itself once it has started.
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:

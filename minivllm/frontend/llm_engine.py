@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -33,10 +32,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client or make_sync_client(config)
-        # the start-up heap never needs scanning again: full collections over it cost
-        # ~100 ms each in a long generate loop
-        gc.collect()
-        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

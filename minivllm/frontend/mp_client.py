@@ -5,7 +5,9 @@ a running daemon (`connect`). Either way it says hello on the input socket, lear
 output address from the reply, registers its route on the output socket, and then sends a
 heartbeat every second so the engine can abort the requests of a client that vanished.
 It declares the engine dead when the engine says so, when a spawned engine-core's process
-exits, or when nothing (not even a heartbeat) has arrived for `ENGINE_TIMEOUT_S`.
+exits, or when nothing (not even a heartbeat) has arrived for `ENGINE_TIMEOUT_S`; and itself
+dropped when the engine-core says it heard nothing from it for its client timeout (an event
+loop that stalled that long).
 """
 
 from __future__ import annotations
@@ -155,14 +157,19 @@ class _MPClient:
             f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S:.0f} s{hint}"
         )
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, heard_nothing: bool = False) -> None:
+        """Raise EngineDeadError once the engine is gone, or has dropped this client. Silence
+        counts only right after a receive came back empty (`heard_nothing`): when this
+        client's own loop stalled, the engine's messages are waiting, not missing."""
         if self.dead_reason is None:
             if self.proc is not None and not self.proc.is_alive():
-                self.dead_reason = f"{describe_exit(self.proc)}"
-            elif time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
-                self.dead_reason = f"engine-core silent for {ENGINE_TIMEOUT_S:.0f} s"
+                self.dead_reason = f"the engine is dead: {describe_exit(self.proc)}"
+            elif heard_nothing and time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+                self.dead_reason = (
+                    f"the engine is dead: engine-core silent for {ENGINE_TIMEOUT_S:.0f} s"
+                )
         if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+            raise EngineDeadError(self.dead_reason)
 
     def _decode_output(self, frames) -> EngineCoreOutputs | None:
         """Decode one frame set from the engine; None for heartbeats and noise."""
@@ -179,7 +186,9 @@ class _MPClient:
         if not isinstance(msg, EngineCoreOutputs):
             return None
         if msg.engine_dead is not None:
-            self.dead_reason = msg.engine_dead
+            self.dead_reason = f"the engine is dead: {msg.engine_dead}"
+        if msg.client_dropped is not None:
+            self.dead_reason = f"the engine-core dropped this client: {msg.client_dropped}"
         return msg
 
     def _close(self) -> None:
@@ -224,7 +233,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
 
     def _heartbeat_loop(self) -> None:
         beat = self.encoder.encode(Heartbeat(self.client_id))
-        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
+        while not self._closed.wait(HEARTBEAT_INTERVAL_S) and self.dead_reason is None:
             with self._send_lock, contextlib.suppress(zmq.ZMQError):
                 if self.input_sock is not None:
                     transport.send_msg(self.input_sock, beat, copy=True)
@@ -241,7 +250,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
     def _recv_one(self) -> None:
         frames = transport.recv_msg(self.output_sock, timeout_ms=_POLL_MS)
         if frames is None:
-            self._check_alive()
+            self._check_alive(heard_nothing=True)
             return
         msg = self._decode_output(frames)
         if msg is None:
@@ -314,7 +323,7 @@ class AsyncMPClient(_MPClient):
 
     async def _heartbeat_loop(self) -> None:
         beat = self.encoder.encode(Heartbeat(self.client_id))
-        while True:
+        while self.dead_reason is None:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             await transport.send_msg_async(self.input_async, beat, copy=True)
 
@@ -325,7 +334,7 @@ class AsyncMPClient(_MPClient):
                 # poll, then receive what is there: cancelling a pending receive on a timeout
                 # could drop a message that had already arrived
                 if not await self.output_async.poll(_POLL_MS, zmq.POLLIN):
-                    self._check_alive()
+                    self._check_alive(heard_nothing=True)
                     continue
                 frames = await transport.recv_msg_async(self.output_async)
                 msg = self._decode_output(frames)
@@ -381,8 +390,8 @@ class AsyncMPClient(_MPClient):
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        self.input_async.close(linger=0)
-        self.output_async.close(linger=0)
+        transport.close_shadowed(self.input_async, self.input_sock)
+        transport.close_shadowed(self.output_async, self.output_sock)
         self.input_sock = self.output_sock = None
         self._close()
 

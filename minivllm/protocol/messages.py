@@ -151,6 +151,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_result: UtilityResult | None = None
     timestamp: float = 0.0
     engine_dead: str | None = None  # set on the last message of an engine that is dying
+    # set on the last message to a client the engine-core dropped: it heard nothing from it
+    # for its client timeout, and aborted its requests
+    client_dropped: str | None = None
 
 
 class ClientHello(msgspec.Struct, array_like=True, omit_defaults=True):

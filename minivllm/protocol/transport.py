@@ -146,6 +146,16 @@ def close_socket(sock: zmq.Socket, linger: int | None = None) -> None:
     sock.close(linger=linger)
 
 
+def close_shadowed(shadow: zmq.asyncio.Socket, owner: zmq.Socket) -> None:
+    """Close a socket that an asyncio shadow wraps: through the shadow, which leaves the
+    event loop, then make the owner object notice at once. Left to notice later, the owner
+    (when garbage-collected) may find a live socket at its old address, which libzmq reuses
+    for new sockets, and close that one: another client's, in this process."""
+    shadow.close(linger=0)
+    if not owner.closed:  # asks libzmq now, while the old address still answers ENOTSOCK
+        owner.close(linger=0)
+
+
 def close_and_flush(sock: zmq.Socket) -> None:
     """Close `sock` and return once what was sent on it has left, or its bounded linger ran
     out, by terminating its context: `sock` must be that context's last open socket.

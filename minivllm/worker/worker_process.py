@@ -12,7 +12,6 @@ would block forever in its next collective, so the engine-core tears all ranks d
 from __future__ import annotations
 
 import faulthandler
-import gc
 import logging
 import os
 import queue
@@ -25,7 +24,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from minivllm.config import EngineConfig
-from minivllm.process_utils import die_with_parent
+from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
     InitKVCache,
@@ -112,9 +111,7 @@ def run_worker(
                     send(out)
             elif isinstance(msg, InitKVCache):
                 worker.initialize_kv_cache(msg.num_blocks)
-                # start-up garbage stays put: later collections need not walk it
-                gc.collect()
-                gc.freeze()
+                freeze_startup_heap()
                 send(WorkerReady(rank, os.getpid()))
             elif isinstance(msg, ShutdownWorker):
                 break

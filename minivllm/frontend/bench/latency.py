@@ -25,6 +25,7 @@ from minivllm.frontend.bench.common import (
 )
 from minivllm.frontend.bench.common import token_prompts as _token_prompts
 from minivllm.frontend.bench.workloads import random_workload
+from minivllm.process_utils import freeze_startup_heap
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -70,6 +71,7 @@ def main(args: argparse.Namespace) -> dict:
         if geometry is not None and args.max_model_len is None:
             overrides["max_model_len"] = max(4096, args.input_len + args.output_len)
         llm = LLM(**asdict(bench_engine_args(args, model, geometry, **overrides)))
+        freeze_startup_heap()  # the bench command's own process
         config = llm.llm_engine.config
         print(
             f"Model: {geometry or model}; device {config.device.device}, dtype "

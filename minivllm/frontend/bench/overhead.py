@@ -27,6 +27,7 @@ from typing import Any
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+from minivllm.process_utils import freeze_startup_heap
 
 TARGET_TOKENS_PER_S = 100_000
 _PROMPT = "Engines schedule requests, run the model, and stream tokens back to clients. "
@@ -89,6 +90,7 @@ async def run_async(
     from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
     llm = AsyncLLM.from_engine_args(engine_args)
+    freeze_startup_heap()  # the bench command's own process
     params = SamplingParams(
         max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
@@ -125,6 +127,7 @@ def run_sync(engine_args: EngineArgs, num_requests: int, output_len: int) -> Str
     from minivllm.protocol.sampling_params import SamplingParams
 
     llm = LLM(**{f: getattr(engine_args, f) for f in EngineArgs.field_names()})
+    freeze_startup_heap()
     try:
         llm.generate(_prompts(8), SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
         before = llm.llm_engine.get_stats()["step_counter"]

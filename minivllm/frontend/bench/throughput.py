@@ -33,6 +33,7 @@ from minivllm.frontend.bench.workloads import (
     random_workload,
     reference_workload,
 )
+from minivllm.process_utils import freeze_startup_heap
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -209,6 +210,7 @@ def main(args: argparse.Namespace) -> dict:
             overrides["max_model_len"] = max(4096, workload.max_model_len)
         engine_args = bench_engine_args(args, model, geometry, **overrides)
         llm = LLM(**asdict(engine_args))
+        freeze_startup_heap()  # the bench command's own process
         config = llm.llm_engine.config
         what = f"geometry {geometry} (dummy weights)" if geometry else f"model {model}"
         print(
