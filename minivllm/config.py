@@ -12,6 +12,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
+# "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,13 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # a fixed KV budget (the CPU default); None: profile
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, scaled)
+    # fp8 without k_scale/v_scale in the checkpoint: scales from the first prefill, else 1.0
+    calculate_kv_scales: bool = False
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
@@ -154,6 +165,10 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
@@ -251,6 +266,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=kv_bytes,
+                kv_cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

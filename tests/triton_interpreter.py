@@ -27,3 +27,24 @@ def run_interpreted(script: str, *args: str, timeout: float = 240) -> None:
         [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def round_fp8_like_the_gpu() -> None:
+    """Make the interpreter convert to float8_e4m3fn by round-to-nearest-even, as the GPU's
+    `cvt.rn.satfinite` does (torch's conversion). Triton 3.6's interpreter rounds half up and
+    drops the carry into the exponent (-127.45 becomes -64, not -128). Call before running
+    kernels that store FP8."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):  # noqa: A002, ANN001, ANN202
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert

@@ -22,6 +22,7 @@ from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.ops.kv_cache import cache_dtype
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.step_sampling import compute_logits, sample_rows
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.tp = tp
         self.dtype = _DTYPES[config.model.dtype]
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
@@ -57,6 +59,8 @@ class ModelRunner:
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
         self.graphs = DecodeGraphs()
+        # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
+        self._calculate_kv_scales = False
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
@@ -69,13 +73,25 @@ class ModelRunner:
             self.device.type,
             block_size=self.block_size,
             head_dim=self.config.model.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
 
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
         self.model = load_model(self.config.model, self.device, self.tp, self.attn_backend)
+        cache = self.config.cache
+        if cache.fp8_kv:
+            from_checkpoint = getattr(self.model, "has_kv_scales", False)
+            self._calculate_kv_scales = cache.calculate_kv_scales and not from_checkpoint
+            source = (
+                "the checkpoint"
+                if from_checkpoint
+                else "the first prefill"
+                if self._calculate_kv_scales
+                else "1.0 (none in the checkpoint; calculate_kv_scales is off)"
+            )
+            logger.info("FP8 KV cache: per-layer k/v scales from %s", source)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -83,7 +99,7 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         m = self.config.model
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * m.num_layers * self.block_size * self.num_local_kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -165,7 +181,7 @@ class ModelRunner:
         m = self.config.model
         shape = (2, num_blocks, self.block_size, self.num_local_kv_heads, m.head_dim)
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(m.num_layers)
         ]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -174,10 +190,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(num_blocks)
         max_conc = num_blocks * self.block_size / m.max_model_len
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at %d tokens per "
-            "request: %.1fx",
+            "KV cache: %d blocks of %d tokens (%s, %.2f GiB); max concurrency at %d tokens "
+            "per request: %.1fx",
             num_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             num_blocks * self.kv_block_bytes() / 2**30,
             m.max_model_len,
             max_conc,
@@ -377,4 +394,6 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
             decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
         )
+        if self._calculate_kv_scales and nd < n:  # the first step with prompt tokens
+            meta.compute_kv_scales, self._calculate_kv_scales = True, False
         return states, sample_idx.tolist(), meta, padded

@@ -30,5 +30,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,  # True: k/v are in kv_cache already, do not store them
+        # float32 [2], the layer's k and v scales; needed by an FP8 cache (ops/kv_cache.py)
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

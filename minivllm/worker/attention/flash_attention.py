@@ -80,6 +80,7 @@ class FlashAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: torch.Tensor | None = None,  # 16-bit caches only: no scales
     ) -> torch.Tensor:
         if not kv_stored:
             slots = meta.slot_mapping[: meta.num_tokens]

@@ -12,6 +12,11 @@ The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads,
 
 `decode_order` (optional; a backend may ignore it) lists the decode rows longest context
 first: launching the longest work first keeps a GPU's last wave short when contexts differ.
+
+`cascade_prefix_len` (optional; a backend may ignore it) says that the first P tokens of
+every decode sequence live in the same blocks (those of block-table row 0), so attention may
+read them once for all decode rows (cascade.py). `compute_kv_scales`: this step sets each
+layer's FP8 KV scales from its keys and values before storing them (ops/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -37,3 +42,5 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     decode_order: torch.Tensor | None = None  # int32 [num_decodes], on the device
+    cascade_prefix_len: torch.Tensor | None = None  # int32 [1], on the device
+    compute_kv_scales: bool = False

@@ -1,7 +1,7 @@
 """Which attention backend a device gets.
 
 On CUDA: flash-attn when the package imports and its kernels cover the configuration (page
-size, head dim, dtype), else Triton. On CPU: the batched CPU backend.
+size, head dim, the KV cache's dtype: not FP8), else Triton. On CPU: the batched CPU backend.
 `MINIVLLM_ATTENTION_BACKEND=flash-attn|triton|cpu|torch` forces one (torch is the slow
 reference); forcing flash-attn where it cannot run is an error, not a silent fallback.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales, dequantize, quantize
 
 
 class TorchAttentionBackend:
@@ -26,10 +27,12 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         if not kv_stored:
-            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens], kv_scale, meta)
+        k_scale, v_scale = kv_scales(kv_scale, kv_cache)
 
         starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
         seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
@@ -41,19 +44,47 @@ class TorchAttentionBackend:
             blocks = meta.block_table[i, :num_blocks].long()
             keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            keys = dequantize(keys, k_scale, torch.float32)
+            values = dequantize(values, v_scale, torch.float32)
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
         return out
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write row t of k/v to flat cache slot slots[t]; rows with a negative slot are skipped."""
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    meta: AttentionMetadata | None = None,
+) -> None:
+    """Write row t of k/v to flat cache slot slots[t] as the cache stores it (ops/kv_cache.py);
+    rows with a negative slot are skipped. With `meta.compute_kv_scales`, `kv_scale` is first
+    set from these rows."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     n = len(slots)
+    if meta is not None and meta.compute_kv_scales and kv_scale is not None:
+        calculate_kv_scales(k[:n], v[:n], kv_scale)
+    k_scale, v_scale = kv_scales(kv_scale, kv_cache)
     keep = slots >= 0
+    k, v = k[:n], v[:n]
     if not bool(keep.all()):
-        slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n].to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n].to(kv_cache.dtype))
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
+    if kv_cache.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def kv_scales(
+    kv_scale: torch.Tensor | None, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv_scale is None:
+        if kv_cache.dtype == FP8:
+            raise ValueError("an fp8 KV cache needs its kv_scale")
+        kv_scale = torch.ones(2, device=kv_cache.device)
+    return kv_scale[0], kv_scale[1]
 
 
 def causal_attention(

@@ -58,6 +58,7 @@ class RotaryEmbedding(nn.Module):
         v: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]. Given v, kv_cache
         and slot_mapping (only where `can_store_kv`), the rotated k and v also go into
@@ -78,6 +79,7 @@ class RotaryEmbedding(nn.Module):
                 v,
                 kv_cache,
                 slot_mapping,
+                kv_scale,
             )
             return q, k
         if q_norm is not None and k_norm is not None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.kv_scales import KVScaleLoader
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.worker.layers.linear import (
@@ -77,6 +78,9 @@ class Attention(nn.Module):
         eps = float(hf["rms_norm_eps"])
         self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        # [k_scale, v_scale] of an FP8 KV cache (ops/kv_cache.py): the checkpoint's, or
+        # set by the first prefill with calculate_kv_scales, else 1.0
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32))
 
     def forward(
         self,
@@ -93,10 +97,17 @@ class Attention(nn.Module):
         k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
         v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
         # on CUDA the rotary kernel can also write k/v into the cache: one store kernel less
-        kv_stored = self.backend.fuses_kv_store and self.rotary_emb.can_store_kv(q)
-        store = (v, kv_cache, meta.slot_mapping) if kv_stored else (None, None, None)
+        # (not while the step sets the FP8 scales from the rotated keys: the backend stores)
+        kv_stored = (
+            self.backend.fuses_kv_store
+            and self.rotary_emb.can_store_kv(q)
+            and not meta.compute_kv_scales
+        )
+        store = (v, kv_cache, meta.slot_mapping, self.kv_scale) if kv_stored else ()
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, *store)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_stored=kv_stored)
+        out = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, kv_stored=kv_stored, kv_scale=self.kv_scale
+        )
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -228,6 +239,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.has_kv_scales = False  # whether the checkpoint gave k/v scales (load_weights)
 
     def forward(
         self,
@@ -254,8 +266,9 @@ class CausalLM(nn.Module):
         expected = {name: _shards_of(name) for name in params}
         loaded: dict[str, set] = {name: set() for name in params}
         unexpected = []
+        kv_scales = KVScaleLoader(self.model.layers)
         for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
+            if "rotary_emb.inv_freq" in hf_name or kv_scales.load(hf_name, tensor):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints still store it
@@ -284,6 +297,7 @@ class CausalLM(nn.Module):
                 f"checkpoint does not match {self.config.architecture}: "
                 f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
             )
+        self.has_kv_scales = kv_scales.finish()
 
 
 def _shards_of(param_name: str) -> set:
