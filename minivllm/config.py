@@ -27,6 +27,8 @@ class ModelConfig:
     hf_config: dict[str, Any]  # config.json as a plain dict
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
     skip_tokenizer_init: bool = False
+    # decode batches sharing a cached prefix attend it once per step unless this is set
+    disable_cascade_attn: bool = False
 
     @property
     def architecture(self) -> str:
@@ -143,6 +145,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    disable_cascade_attn: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
@@ -242,6 +245,7 @@ class EngineArgs:
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
             skip_tokenizer_init=self.skip_tokenizer_init,
+            disable_cascade_attn=self.disable_cascade_attn,
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:

@@ -139,6 +139,17 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def get_num_common_prefix_blocks(self, request_id: str, num_running: int) -> int:
+        """How many leading blocks of this running request every running request holds: a
+        block that all `num_running` of them reference is, by the hash chain, at the same
+        position in every block table (as vLLM V1 finds a cascade attention prefix)."""
+        n = 0
+        for block in self.req_to_blocks.get(request_id, ()):
+            if block.ref_cnt != num_running:
+                break
+            n += 1
+        return n
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -212,6 +212,11 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=sorted(self.finished_req_ids),
+            num_common_prefix_blocks=kv.get_num_common_prefix_blocks(
+                running[0].request_id, len(running)
+            )
+            if running
+            else 0,
         )
         self.finished_req_ids = set()
         self.step_id += 1

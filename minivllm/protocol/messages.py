@@ -151,6 +151,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     total_num_scheduled_tokens: int = 0
     # requests the workers must forget: finished, aborted or preempted since the last step
     finished_req_ids: list[str] = []
+    # leading blocks held by every running request (a shared prompt prefix): the workers
+    # may attend it once for all of them (cascade attention)
+    num_common_prefix_blocks: int = 0
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -104,28 +104,13 @@ class PrefillLogits:
     def __call__(self, tokens: list[int], kv_dtype: Any, compute_kv_scales: bool = False) -> Any:
         import torch
 
-        from minivllm.worker.attention.metadata import AttentionMetadata
+        from minivllm.worker.attention.metadata import one_prompt_metadata
+        from minivllm.worker.kv_cache_memory import KVCacheShape
 
         m, bs, dev, n = self.config.model, self.config.cache.block_size, self.device, len(tokens)
-        num_blocks = -(-n // bs)
-        shape = (2, num_blocks, bs, m.num_kv_heads, m.head_dim)
-        caches = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(m.num_layers)]
-        bounds = torch.tensor([0, n], dtype=torch.int32)
-        meta = AttentionMetadata(
-            num_tokens=n,
-            num_seqs=1,
-            num_decodes=0,
-            max_query_len=n,
-            max_seq_len=n,
-            query_start_loc=bounds.to(dev),
-            seq_lens=bounds[1:].to(dev),
-            block_table=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
-            block_size=bs,
-            query_start_loc_cpu=bounds,
-            seq_lens_cpu=bounds[1:],
-            compute_kv_scales=compute_kv_scales,
-        )
+        shape = KVCacheShape(m.num_layers, bs, m.num_kv_heads, m.head_dim, kv_dtype)
+        caches = shape.allocate(-(-n // bs), dev)
+        meta = one_prompt_metadata(n, bs, dev, compute_kv_scales=compute_kv_scales)
         with torch.inference_mode():
             ids = torch.tensor(tokens, dtype=torch.long, device=dev)
             hidden = self.model(ids, torch.arange(n, device=dev), caches, meta)
