@@ -63,7 +63,7 @@ def _cascade_prefix_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FIRST_PART: tl.constexpr,
     NUM_PARTS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     kv_head = tl.program_id(0)
@@ -79,7 +79,7 @@ def _cascade_prefix_kernel(
         q_ptr + seq[:, None] * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
         mask=valid[:, None],
         other=0.0,
-    )
+    ).to(DOT)
     prefix_len = tl.load(prefix_ptr)
     num_tiles = tl.cdiv(prefix_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -99,7 +99,7 @@ def _cascade_prefix_kernel(
         block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -107,7 +107,7 @@ def _cascade_prefix_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
         m_i = m_new
 
     has_keys = valid & (l_i > 0)

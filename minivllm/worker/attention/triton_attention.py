@@ -60,7 +60,7 @@ def _decode_kernel(
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, CASCADE: tl.constexpr,
-    FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
@@ -91,7 +91,7 @@ def _decode_kernel(
         q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
         mask=g_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -104,7 +104,7 @@ def _decode_kernel(
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,7 +112,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0  # false for an empty split or a padded row (seq_len 0)
@@ -164,7 +164,7 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     seq = first_seq + tl.program_id(0)
@@ -186,7 +186,7 @@ def _prefill_kernel(
         q_ptr + q_rows * stride_q_tok + head * stride_q_head + offs_d[None, :],
         mask=m_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT)
     q_pos = prefix_len + offs_m  # position of each query row in its sequence
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -202,7 +202,7 @@ def _prefill_kernel(
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # every row sees key 0, so the row max is finite after the first tile
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -212,7 +212,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -244,7 +244,8 @@ class TritonAttentionBackend:
     Knobs for benchmarks: `num_splits` forces the decode split count (by default it follows
     `num_decode_splits` with `max_splits` and `min_programs`); `decode_block_n` and
     `decode_stages` the decode kernel's key tile and pipeline depth; `prefill_tiles` the
-    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs.
+    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs;
+    `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a bfloat16 model.
 
     Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
     paged prefill kernel on an H100 (14 prompts, 7,625 tokens, Qwen3-0.6B heads): 249 µs per
@@ -261,6 +262,7 @@ class TritonAttentionBackend:
         decode_block_n: int | None = None,
         decode_stages: int | None = None,
         prefill_tiles: tuple[int, int, int, int] = (64, 64, 4, 2),
+        fp8_dot_f16: bool = True,
     ) -> None:
         self.max_splits = max_splits
         self.num_splits = num_splits
@@ -268,6 +270,7 @@ class TritonAttentionBackend:
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
         self.prefill_tiles = prefill_tiles
+        self.fp8_dot_f16 = fp8_dot_f16
 
     def forward(
         self,
@@ -296,6 +299,7 @@ class TritonAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = dict(
             GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=meta.block_size, FP8=fp8,
+            DOT=self._dot_dtype(q.dtype, fp8),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl(q),
         )  # fmt: skip
         scale_log2, scales = scale * LOG2E, kv_scale_arg(kv_scale, fp8, q)
@@ -313,6 +317,14 @@ class TritonAttentionBackend:
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
             )  # fmt: skip
         return out
+
+    def _dot_dtype(self, q_dtype: torch.dtype, fp8: bool) -> object:
+        """The dtype the kernels' dots take: the query's, except that with an FP8 cache the
+        16-bit dots run in float16, to which e4m3 converts in one instruction per pair (to
+        bfloat16 in three); queries are far inside float16's range."""
+        if fp8 and q_dtype != torch.float32 and self.fp8_dot_f16:
+            return tl.float16
+        return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(q_dtype, tl.float16)
 
     def _decode(
         self,
