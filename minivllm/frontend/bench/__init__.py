@@ -8,9 +8,18 @@ import argparse
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput, latency and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    from minivllm.frontend.bench import kv_accuracy, latency, overhead, throughput
+    from minivllm.frontend.bench import (
+        kernels,
+        kv_accuracy,
+        latency,
+        overhead,
+        step,
+        throughput,
+    )
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     overhead.add_parser(bench_sub)
     kv_accuracy.add_parser(bench_sub)
+    step.add_parser(bench_sub)
+    kernels.add_parser(bench_sub)
