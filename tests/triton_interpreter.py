@@ -2,13 +2,15 @@
 
 TRITON_INTERPRET must be set before triton is first imported, and this pytest process has
 imported it already, so the module runs again as a script in a subprocess with the
-variable set (its `if __name__ == "__main__":` block does the checks).
+variable set (its `if __name__ == "__main__":` block does the checks), started through this
+file, which first patches the interpreter.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +26,33 @@ def run_interpreted(script: str, *args: str, timeout: float = 240) -> None:
     """`python script *args` with TRITON_INTERPRET=1; fails the test with its output."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, __file__, script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def round_fp8_like_the_gpu() -> None:
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns scalar tensors (numpy shape (1,)) into loop bounds with
+    `int(array)`, which numpy >= 2.4 refuses; index through the single element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:  # noqa: ANN001 - triton internals
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+def _round_fp8_like_the_gpu() -> None:
     """Make the interpreter convert to float8_e4m3fn by round-to-nearest-even, as the GPU's
-    `cvt.rn.satfinite` does (torch's conversion). Triton 3.6's interpreter rounds half up and
-    drops the carry into the exponent (-127.45 becomes -64, not -128). Call before running
-    kernels that store FP8."""
+    `cvt.rn.satfinite` does (torch's conversion): Triton 3.6's interpreter rounds half up and
+    drops the carry into the exponent (-127.45 becomes -64, not -128)."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -48,3 +67,10 @@ def round_fp8_like_the_gpu() -> None:
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert
+
+
+if __name__ == "__main__":  # python triton_interpreter.py SCRIPT ARGS...
+    _patch_interpreter_scalar_index()
+    _round_fp8_like_the_gpu()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -26,8 +26,8 @@ from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
 from minivllm.worker.ops.kv_cache import cache_dtype
+from minivllm.worker.sampler import Sampler, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
-from minivllm.worker.step_sampling import compute_logits, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class ModelRunner:
         self.cascade_graphs = DecodeGraphs("cascade decode")
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False
+        self.sampler = Sampler(tp.size)
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
@@ -138,13 +139,8 @@ class ModelRunner:
         pos = torch.arange(n, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, caches, meta)
         rows = min(n, self.config.scheduler.max_num_seqs)
-        logits = compute_logits(self.model, hidden[-rows:])
-        if self.device.type == "cuda":
-            from minivllm.worker.ops.sampling import sample
-
-            ones = torch.ones(rows, dtype=torch.float32, device=dev)
-            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-            sample(logits, ones, None, None, None, zeros, zeros)
+        logits = self.model.compute_logits(hidden[-rows:])
+        self.sampler.sample_logits(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -241,7 +237,7 @@ class ModelRunner:
         ns = len(sample_idx)
         sampled_states = [states[i] for i in sample_idx]
         rows = hidden.index_select(0, d.logits_indices[:ns])
-        sampled = sample_rows(self.model, rows, self.buffers, self.tp.size)
+        sampled = self.sampler(self.model, rows, SamplingMetadata.from_buffers(self.buffers, ns))
         out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
@@ -250,7 +246,7 @@ class ModelRunner:
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             self.batch.add(new)

@@ -18,6 +18,7 @@ from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.attention.cpu_attention import CpuAttentionBackend
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend, causal_attention
 from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
+from tests.attention_step import attend
 from tests.worker.test_cpu_attention import _batch
 
 FP8_TOKENS = {192.0, 208.0}  # e4m3 neighbours of 200 (= max|k| / k_scale, rounded either way)
@@ -54,8 +55,8 @@ def test_fp8_cache_attends_its_dequantized_values(group: int) -> None:
     k = torch.randn(n, kv_heads, head_dim, generator=gen)
     v = torch.randn(n, kv_heads, head_dim, generator=gen)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.25, kv_scale=kv_scale)
-    fast = CpuAttentionBackend().forward(q, k, v, fast_cache, meta, 0.25, kv_scale=kv_scale)
+    ref = attend(TorchAttentionBackend(), q, k, v, ref_cache, meta, 0.25, kv_scale)
+    fast = attend(CpuAttentionBackend(), q, k, v, fast_cache, meta, 0.25, kv_scale)
     assert torch.equal(ref_cache.view(torch.uint8), fast_cache.view(torch.uint8))
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     # sequence 1 (a decode over 30 cached tokens): dense attention over the dequantized cache
@@ -94,7 +95,7 @@ def test_calculated_scales_come_from_the_first_prefill(qwen3_dir: str) -> None:
     try:
         runner = _runner(core)
         _generate(core, [list(range(1, 40))], max_tokens=1)
-        scales = [layer.self_attn.kv_scale.clone() for layer in runner.model.model.layers]
+        scales = [layer.self_attn.attn.kv_scale.clone() for layer in runner.model.model.layers]
         for cache, scale in zip(runner.kv_caches, scales, strict=True):
             assert not torch.equal(scale, torch.ones(2))
             used = cache.float().abs().flatten(2).amax(-1)  # [2, num_blocks]
@@ -102,7 +103,7 @@ def test_calculated_scales_come_from_the_first_prefill(qwen3_dir: str) -> None:
             assert used[1].max().item() in FP8_VALUES
         _generate(core, [list(range(50, 90))], max_tokens=2)
         for layer, scale in zip(runner.model.model.layers, scales, strict=True):
-            assert torch.equal(layer.self_attn.kv_scale, scale)
+            assert torch.equal(layer.self_attn.attn.kv_scale, scale)
     finally:
         core.shutdown()
 
@@ -133,7 +134,7 @@ def test_checkpoint_scales_are_used(qwen3_dir: str, tmp_path, names: tuple[str, 
         for layer_idx, layer in enumerate(_runner(core).model.model.layers):
             v = 0.25 + layer_idx + (0.5 if len(names) == 2 else 0.0)
             expected = torch.tensor([0.25 + layer_idx, v])
-            assert torch.equal(layer.self_attn.kv_scale, expected)
+            assert torch.equal(layer.self_attn.attn.kv_scale, expected)
     finally:
         core.shutdown()
     _engine(str(tmp_path)).shutdown()

@@ -3,9 +3,9 @@
 On a CUDA machine the cases run directly (`gpu` marker). On CPU they run through the Triton
 interpreter in a subprocess, since TRITON_INTERPRET must be set before triton is imported.
 A case may run with an FP8 cache (`:fp8`: the reference attends the dequantized cache, and
-the stored bytes must equal the torch quantization's) and with its k/v stored before
-`forward` (`:kv_stored`). Cascade cases share their first P tokens' blocks between all
-decode sequences and run the cascade kernels; the reference is plain attention.
+the stored bytes must equal the torch quantization's). Cascade cases share their first P
+tokens' blocks between all decode sequences and run the cascade kernels; the reference is
+plain attention.
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ CASES: dict[str, tuple] = {
 }
 
 
-def check_case(
-    name: str, device: str, dtype: torch.dtype, kv_stored: bool = False, fp8: bool = False
-) -> None:
-    """kv_stored: the step's k/v are stored before `forward` (as the layer's rotary kernel
-    does) and `forward(kv_stored=True)` gets other k/v, which it must not store."""
+def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) -> None:
     from minivllm.worker.attention.metadata import AttentionMetadata
-    from minivllm.worker.attention.triton_attention import TritonAttentionBackend, store_kv_cache
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
     from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
+    from tests.attention_step import attend
 
     seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
     shared = splits if name.startswith("cascade") else 0  # tokens of the shared prefix
@@ -136,11 +133,15 @@ def check_case(
     kv_cache = torch.stack([quantize(cache[i], scales[i], cache_dtype) for i in range(2)])
     kv_cache = kv_cache.to(device)
     k, v = k.to(**dev), v.to(**dev)
-    if kv_stored:
-        store_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        k, v = torch.zeros_like(k), torch.zeros_like(v)
-    out = TritonAttentionBackend(num_splits=splits).forward(
-        q.to(**dev), k, v, kv_cache, meta, scale, kv_stored=kv_stored, kv_scale=kv_scale
+    out = attend(
+        TritonAttentionBackend(num_splits=splits),
+        q.to(**dev),
+        k,
+        v,
+        kv_cache,
+        meta,
+        scale,
+        kv_scale,
     )
 
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -173,10 +174,9 @@ def check_case(
     "names",
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
      ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"],
-     ["decode_split:kv_stored", "mixed_fresh:kv_stored"],
-     ["decode_split:fp8", "mixed_block32:fp8", "mixed_fresh:fp8:kv_stored"],
+     ["decode_split:fp8", "mixed_block32:fp8", "mixed_fresh:fp8"],
      ["cascade", "cascade_mixed:fp8", "cascade_many"]],
-    ids=["decode", "prefill", "kv_stored", "fp8", "cascade"],
+    ids=["decode", "prefill", "fp8", "cascade"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:
     run_interpreted(__file__, *names)
@@ -190,23 +190,14 @@ def test_triton_attention_gpu(name: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode_split", "mixed_fresh", "cascade_mixed"])
-def test_triton_attention_kv_stored_gpu(name: str) -> None:
-    check_case(name, "cuda", torch.bfloat16, kv_stored=True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_attention_fp8_gpu(name: str, dtype: torch.dtype) -> None:
     check_case(name, "cuda", dtype, fp8=True)
 
 
-if __name__ == "__main__":  # the interpreted run: python this_file.py CASE[:fp8][:kv_stored]...
-    from tests.triton_interpreter import round_fp8_like_the_gpu
-
-    round_fp8_like_the_gpu()
+if __name__ == "__main__":  # the interpreted run: python this_file.py CASE[:fp8]...
     for arg in sys.argv[1:]:
-        case, *modes = arg.split(":")
-        check_case(case, "cpu", torch.float32, "kv_stored" in modes, "fp8" in modes)
+        case, _, mode = arg.partition(":")
+        check_case(case, "cpu", torch.float32, fp8=mode == "fp8")
         print("ok", arg)

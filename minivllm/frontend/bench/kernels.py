@@ -146,7 +146,8 @@ def bench_decode() -> None:
             ref = None  # after the first forward has stored this step's k/v
             for splits in sorted({1, num_decode_splits(n, HKV)}):
                 backend = TritonAttentionBackend(num_splits=splits, **knobs)
-                args, kwargs = (q, k, v, kv_cache, meta, scale), {"kv_scale": kv_scale}
+                backend.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
+                args, kwargs = (q, kv_cache, meta, scale), {"kv_scale": kv_scale}
                 out = backend.forward(*args, **kwargs)
                 if ref is None:
                     ref = reference(q, kv_cache, meta, [1] * n, seq_lens, scale, kv_scale)
@@ -169,10 +170,11 @@ def bench_cascade(n: int = 256, shared: int = 2048, kv: tuple = (False, True)) -
     for fp8 in kv:
         q, k, v, kv_cache, meta, kv_scale = paged_batch([1] * n, seq_lens, fp8, shared)
         backend = TritonAttentionBackend()
-        args, kwargs = (q, k, v, kv_cache, meta, scale), {"kv_scale": kv_scale}
+        backend.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        args, kwargs = (q, kv_cache, meta, scale), {"kv_scale": kv_scale}
         out = backend.forward(*args, **kwargs)
         plain_meta = type(meta)(**{**meta.__dict__, "cascade_prefix_len": None})
-        plain_args = (q, k, v, kv_cache, plain_meta, scale)
+        plain_args = (q, kv_cache, plain_meta, scale)
         plain = backend.forward(*plain_args, **kwargs)
         torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
         call = backend.forward
@@ -194,8 +196,7 @@ def bench_prefill(kv: tuple = (False, True)) -> None:
     for fp8 in kv:
         q, k, v, kv_cache, meta, kv_scale = paged_batch(seq_lens, seq_lens, fp8)
         backend = TritonAttentionBackend()
-        args = (q, k, v, kv_cache, meta, scale)
-        kwargs = {"kv_scale": kv_scale, "kv_stored": True}  # time the attention alone
+        args, kwargs = (q, kv_cache, meta, scale), {"kv_scale": kv_scale}  # attention alone
         out = backend.forward(*args, **kwargs)
         ref = reference(q, kv_cache, meta, seq_lens, seq_lens, scale, kv_scale)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -87,7 +87,7 @@ class PrefillLogits:
         import torch
 
         from minivllm.worker.attention.selector import get_attention_backend
-        from minivllm.worker.layers.parallel_state import TPGroup
+        from minivllm.worker.distributed.parallel_state import TPGroup
         from minivllm.worker.model_loader import load_model
 
         self.config = config

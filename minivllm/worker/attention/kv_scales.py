@@ -3,13 +3,13 @@
 As vLLM sets them: the checkpoint's `k_scale` / `v_scale` (or one `kv_scale` for both) when
 present; else, with `calculate_kv_scales`, from the first prefill step, as max|k| / 200 and
 max|v| / 100 (`ops.kv_cache.calculate_kv_scales`: headroom for later tokens beyond the first
-prompt's range); else 1.0. Each layer keeps them in `self_attn.kv_scale`, float32 [2].
+prompt's range); else 1.0. Each layer's `PagedAttention` keeps them in `kv_scale`, float32
+[2] on the device.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,11 +20,13 @@ _SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?(k|v
 
 
 class KVScaleLoader:
-    """Takes the k/v scale tensors out of a checkpoint's stream and sets each layer's
-    `self_attn.kv_scale` from them once all are read (`finish`)."""
+    """Takes the k/v scale tensors out of a checkpoint's stream and sets the `kv_scale` of
+    each layer's `PagedAttention` from them once all are read (`finish`)."""
 
-    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
-        self.layers = layers
+    def __init__(self, model: torch.nn.Module) -> None:
+        from minivllm.worker.attention.layer import PagedAttention
+
+        self.layers = {m.layer_idx: m for m in model.modules() if isinstance(m, PagedAttention)}
         self.found: dict[int, dict[str, float]] = {}
 
     def load(self, name: str, loaded: Any) -> bool:
@@ -43,5 +45,5 @@ class KVScaleLoader:
         for i, scales in self.found.items():
             both = scales.get("kv", 1.0)
             k, v = scales.get("k", both), scales.get("v", both)
-            self.layers[i].self_attn.kv_scale.copy_(torch.tensor([k, v]))
+            self.layers[i].kv_scale.copy_(torch.tensor([k, v]))
         return bool(self.found)

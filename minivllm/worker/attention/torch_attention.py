@@ -10,44 +10,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales, dequantize, quantize
-
-
-class TorchAttentionBackend:
-    """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
-
-    fuses_kv_store = False
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
-        kv_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        if not kv_stored:
-            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens], kv_scale, meta)
-        k_scale, v_scale = kv_scales(kv_scale, kv_cache)
-
-        starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
-        seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
-        # rows past num_tokens are padding (e.g. for a captured graph): left as zeros
-        out = torch.zeros_like(q)
-        for i in range(meta.num_seqs):
-            q_start, q_end, seq_len = starts[i], starts[i + 1], seq_lens[i]
-            num_blocks = -(-seq_len // meta.block_size)
-            blocks = meta.block_table[i, :num_blocks].long()
-            keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            keys = dequantize(keys, k_scale, torch.float32)
-            values = dequantize(values, v_scale, torch.float32)
-            out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
-        return out
+from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
 
 
 def store_kv(
@@ -56,15 +19,11 @@ def store_kv(
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
-    meta: AttentionMetadata | None = None,
 ) -> None:
-    """Write row t of k/v to flat cache slot slots[t] as the cache stores it (ops/kv_cache.py);
-    rows with a negative slot are skipped. With `meta.compute_kv_scales`, `kv_scale` is first
-    set from these rows."""
+    """Write row t of k/v to flat cache slot slots[t] as the cache stores it (an FP8 cache:
+    divided by `kv_scale`, ops/kv_cache.py); rows with a negative slot are skipped."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     n = len(slots)
-    if meta is not None and meta.compute_kv_scales and kv_scale is not None:
-        calculate_kv_scales(k[:n], v[:n], kv_scale)
     k_scale, v_scale = kv_scales(kv_scale, kv_cache)
     keep = slots >= 0
     k, v = k[:n], v[:n]
@@ -80,11 +39,43 @@ def store_kv(
 def kv_scales(
     kv_scale: torch.Tensor | None, kv_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) as scalar tensors; 1.0 for a 16-bit cache given none."""
     if kv_scale is None:
         if kv_cache.dtype == FP8:
             raise ValueError("an fp8 KV cache needs its kv_scale")
         kv_scale = torch.ones(2, device=kv_cache.device)
     return kv_scale[0], kv_scale[1]
+
+
+class TorchAttentionBackend:
+    """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
+
+    store_kv = staticmethod(store_kv)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        k_scale, v_scale = kv_scales(kv_scale, kv_cache)
+        starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
+        seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
+        # rows past num_tokens are padding (e.g. for a captured graph): left as zeros
+        out = torch.zeros_like(q)
+        for i in range(meta.num_seqs):
+            q_start, q_end, seq_len = starts[i], starts[i + 1], seq_lens[i]
+            num_blocks = -(-seq_len // meta.block_size)
+            blocks = meta.block_table[i, :num_blocks].long()
+            keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            keys = dequantize(keys, k_scale, torch.float32)
+            values = dequantize(values, v_scale, torch.float32)
+            out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
+        return out
 
 
 def causal_attention(

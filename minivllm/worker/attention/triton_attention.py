@@ -1,10 +1,9 @@
 """Triton paged attention: KV store, decode (optionally split-KV or cascade) and prefill.
 
-Per layer and step, `forward` launches:
-  1. `store_kv_cache` (ops/kv_cache.py): this step's k/v rows into the paged cache at
-     `slot_mapping`; skipped with `kv_stored=True`, when the layer's rotary kernel has
-     written them already (`fuses_kv_store`).
-  2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
+Per layer and step, `store_kv_cache` (ops/kv_cache.py, the backend's `store_kv`) writes
+this step's k/v rows into the paged cache at `slot_mapping` (unless the layer's rotary
+kernel does it in its own pass, see layer.py); then `forward` launches:
+  1. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
      `_merge_kernel` combines the slices by their log-sum-exp. Programs run longest
@@ -12,7 +11,7 @@ Per layer and step, `forward` launches:
      reference workload on an H100, whose contexts range from 100 to 2,048 tokens). With
      `meta.cascade_prefix_len`, each program reads only its sequence's keys past the shared
      prefix and `_cascade_prefix_kernel` (cascade.py) attends the prefix once for all rows.
-  3. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
+  2. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
 
@@ -40,13 +39,7 @@ from minivllm.worker.attention.cascade import (
 )
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
-from minivllm.worker.ops.kv_cache import (
-    FP8,
-    calculate_kv_scales,
-    kv_scale_arg,
-    load_kv_scales,
-    store_kv_cache,
-)
+from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, store_kv_cache
 
 LOG2E = 1.4426950408889634
 
@@ -252,7 +245,7 @@ class TritonAttentionBackend:
     layer against 186 µs, and slower still end to end, so prompts stay on the paged kernel.
     """
 
-    fuses_kv_store = True  # the layer's rotary kernel may store k/v instead (`kv_stored`)
+    store_kv = staticmethod(store_kv_cache)
 
     def __init__(
         self,
@@ -275,26 +268,19 @@ class TritonAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        kv_stored: bool = False,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        num_kv_heads = kv_cache.shape[3]
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} q heads do not divide into {num_kv_heads} kv heads")
-        assert q.stride(2) == k.stride(2) == v.stride(2) == kv_cache.stride(4) == 1
+        assert q.stride(2) == kv_cache.stride(4) == 1
         fp8 = kv_cache.dtype == FP8
-        if meta.compute_kv_scales and kv_scale is not None:
-            calculate_kv_scales(k[: meta.num_tokens], v[: meta.num_tokens], kv_scale)
-        if not kv_stored:
-            store_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = dict(

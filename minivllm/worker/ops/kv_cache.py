@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
+from minivllm.worker.ops._triton import (
+    next_power_of_2,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -113,7 +120,13 @@ def store_kv_cache(
     """Write row t of k/v [T, num_kv_heads, head_dim] into `kv_cache` at flat slot
     `slot_mapping[t]` (int64; -1 = skip), as the cache's dtype stores it (FP8: divided by
     `kv_scale` [2], see ops/kv_cache.py). One program per slot, which reads its slot on the
-    device: nothing waits for the GPU, and it can be captured in a CUDA graph."""
+    device: nothing waits for the GPU, and it can be captured in a CUDA graph. On CPU tensors
+    (without the interpreter), the torch reference's store."""
+    if not use_triton(k):
+        from minivllm.worker.attention.torch_attention import store_kv
+
+        store_kv(k, v, kv_cache, slot_mapping, kv_scale)
+        return
     num_slots = slot_mapping.numel()
     if not num_slots:
         return
