@@ -227,7 +227,8 @@ class ModelRunner:
         states, sample_idx, meta, padded = self._prepare_inputs(so)
         d = self.buffers.dev
         if padded:
-            hidden = self.graphs.replay(padded)
+            cascade = meta.cascade_prefix_len is not None
+            hidden = (self.cascade_graphs if cascade else self.graphs).replay(padded)
         else:
             n = meta.num_tokens
             hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
@@ -287,7 +288,7 @@ class ModelRunner:
         num_host = np.fromiter((s.num_host_tokens for s in states), np.int64, n)
         seq_lens = computed + q_lens
         total = int(so.total_num_scheduled_tokens)
-        cascade = self._cascade_prefix_len(so, computed[:nd])
+        cascade = self._cascade_prefix_len(so, computed[:nd], mixed=nd < n)
         graphs = self.cascade_graphs if cascade else self.graphs
         padded = graphs.padded_size(n) if self.use_graphs and nd == n else None
 
@@ -369,11 +370,17 @@ class ModelRunner:
             meta.compute_kv_scales, self._calculate_kv_scales = True, False
         return states, sample_idx.tolist(), meta, padded
 
-    def _cascade_prefix_len(self, so: SchedulerOutput, computed: np.ndarray) -> int:
+    def _cascade_prefix_len(
+        self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False
+    ) -> int:
         """Tokens at the head of every decode row's context that cascade attention should
         read once this step (0: attend as usual). The blocks held by every running request
-        are whole, cached and computed; the prefix stops at the shortest decode context."""
+        are whole, cached and computed; the prefix stops at the shortest decode context.
+        With CUDA graphs only pure-decode steps (graph replays) use it: a step with prompt
+        tokens is rare, and would compile kernel variants for its decode count mid-run."""
         if not (self.cascade and so.num_common_prefix_blocks and len(computed)):
+            return 0
+        if mixed and self.use_graphs:
             return 0
         bs = self.block_size
         prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)

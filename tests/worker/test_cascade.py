@@ -38,8 +38,8 @@ def generate(model: str, disable_cascade_attn: bool) -> tuple[dict[str, list[int
     prefix_lens: list[int] = []
     decide = runner._cascade_prefix_len
 
-    def spy(so, computed):  # noqa: ANN001, ANN202
-        prefix_lens.append(decide(so, computed))
+    def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
+        prefix_lens.append(decide(so, computed, mixed))
         return prefix_lens[-1]
 
     runner._cascade_prefix_len = spy

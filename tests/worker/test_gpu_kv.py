@@ -43,11 +43,14 @@ def test_fp8_cuda_graphs_give_the_eager_tokens(small_dir: str) -> None:
     assert graphs == eager
 
 
-def test_fp8_logits_stay_close_to_bf16_kv(small_dir: str) -> None:
-    """Teacher-forced over 16 prompts: the Triton kernels with an FP8 cache against a bf16
-    cache, both in a bf16 model. The bound is test_fp8_kv.py's (mean KL < 1e-2, top-1 >=
-    80%), measured there on the CPU reference against transformers."""
-    from minivllm.frontend.bench.kv_accuracy import compare
+def test_fp8_logits_stay_close_to_bf16_kv(small_dir: str, monkeypatch) -> None:
+    """Teacher-forced over 16 prompts, a bf16 model with an FP8 cache against a bf16 cache.
+    The Triton kernels cost what the torch reference's arithmetic costs (on an H100: top-1
+    86.4%, mean KL 2.68e-2; the reference on the CPU, same model and prompts: 86.9%,
+    2.70e-2: this random model's flat logits make it the most sensitive one measured), and
+    the two FP8 runs agree with each other far more closely than either with bf16."""
+    from minivllm.frontend.bench.kv_accuracy import Agreement, PrefillLogits, compare
+    from minivllm.worker.ops.kv_cache import FP8
 
     config = EngineArgs(
         model=small_dir, dtype="bfloat16", device="cuda", calculate_kv_scales=True
@@ -55,12 +58,20 @@ def test_fp8_logits_stay_close_to_bf16_kv(small_dir: str) -> None:
     rng = random.Random(0)
     ps = [[rng.randint(1, VOCAB_SIZE - 1) for _ in range(rng.randint(50, 400))] for _ in range(16)]
     fp8 = compare(config, ps)["fp8 vs model dtype"]
-    assert fp8.top1 >= 0.8 and fp8.mean_kl < 1e-2, fp8.line("fp8 vs bf16 KV")
+    assert fp8.top1 >= 0.8 and fp8.mean_kl < 0.05, fp8.line("fp8 vs bf16 KV")
+    # the same FP8 arithmetic through the torch reference backend, on the GPU
+    triton_run = PrefillLogits(config)
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "torch")
+    torch_run = PrefillLogits(config)
+    same = Agreement()
+    for i, tokens in enumerate(ps[:4]):
+        same.add(torch_run(tokens, FP8, i == 0), triton_run(tokens, FP8, i == 0))
+    assert same.top1 >= 0.97 and same.mean_kl < fp8.mean_kl / 10, same.line("triton vs torch")
 
 
-def _shared_prefix_tokens(model: str, dtype: str, kv: str, disable: bool) -> tuple[list, list]:
-    """Greedy tokens of 40 requests sharing a 600-token prefix (the first caches it), and
-    the cascade prefix length the runner chose at every step."""
+def _shared_prefix_tokens(model: str, dtype: str, kv: str, disable: bool) -> tuple[list, list, int]:
+    """Greedy tokens of 40 requests sharing a 600-token prefix (the first caches it), the
+    cascade prefix length the runner chose at every step, and the cascade graph replays."""
     from minivllm.engine_core.engine_core import EngineCore
     from minivllm.protocol.messages import EngineCoreRequest
 
@@ -74,11 +85,19 @@ def _shared_prefix_tokens(model: str, dtype: str, kv: str, disable: bool) -> tup
     chosen: list[int] = []
     decide = runner._cascade_prefix_len
 
-    def spy(so, computed):  # noqa: ANN001, ANN202
-        chosen.append(decide(so, computed))
+    def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
+        chosen.append(decide(so, computed, mixed))
         return chosen[-1]
 
     runner._cascade_prefix_len = spy
+    replays = []
+    replay = runner.cascade_graphs.replay
+
+    def count(size):  # noqa: ANN001, ANN202
+        replays.append(size)
+        return replay(size)
+
+    runner.cascade_graphs.replay = count
     rng = random.Random(5)
     prefix = [rng.randint(1, VOCAB_SIZE - 1) for _ in range(600)]
     ps = [prefix + [rng.randint(1, VOCAB_SIZE - 1) for _ in range(n)] for n in range(1, 41)]
@@ -94,14 +113,15 @@ def _shared_prefix_tokens(model: str, dtype: str, kv: str, disable: bool) -> tup
                     got.setdefault(o.request_id, []).extend(o.new_token_ids)
     finally:
         core.shutdown()
-    return [got[str(i)] for i in range(1, len(ps))], chosen
+    return [got[str(i)] for i in range(1, len(ps))], chosen, len(replays)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_cascade_gives_the_tokens_of_plain_attention(small_dir: str, kv: str) -> None:
     """float32, where the two summation orders agree far inside any logit gap: the same
-    tokens; the cascade path ran for the decode steps (600 tokens = 37 whole blocks shared)."""
-    on, chosen = _shared_prefix_tokens(small_dir, "float32", kv, disable=False)
-    off, unused = _shared_prefix_tokens(small_dir, "float32", kv, disable=True)
+    tokens; the decode steps ran the cascade graphs (600 tokens = 37 whole blocks shared)."""
+    on, chosen, replays = _shared_prefix_tokens(small_dir, "float32", kv, disable=False)
+    off, unused, no_replays = _shared_prefix_tokens(small_dir, "float32", kv, disable=True)
     assert on == off
     assert 592 in chosen and set(unused) == {0}
+    assert replays >= 16 and no_replays == 0  # every pure-decode step of the 24 tokens

@@ -15,6 +15,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         overhead,
         step,
         throughput,
+        trace,
     )
 
     throughput.add_parser(bench_sub)
@@ -23,3 +24,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kv_accuracy.add_parser(bench_sub)
     step.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
+    trace.add_parser(bench_sub)
