@@ -23,6 +23,7 @@ from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.protocol.messages import (
     CachedRequestData,
+    EngineCoreEventType,
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
@@ -81,6 +82,7 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(
         self,
@@ -195,6 +197,7 @@ class Scheduler:
             self.waiting.popleft()
             running.append(request)
             request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -266,6 +269,8 @@ class Scheduler:
                 request.stop_reason,
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
             )
+            if request.events:
+                out.events = request.take_events()
             if request.client_id != last_client:
                 last_client = request.client_id
                 client_outputs = outputs.setdefault(last_client, [])
@@ -299,6 +304,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)
         self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:

@@ -84,8 +84,10 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Render a conversation with the tokenizer's (or the given) chat template.
+        """Render a conversation with the tokenizer's (or the given) chat template;
+        `template_kwargs` are passed to the template (e.g. `enable_thinking`).
 
         Returns a prompt dict (`{"prompt": text, "prompt_token_ids": ids}`) for `process`;
         the template already holds the special tokens, so none are added when encoding.
@@ -103,6 +105,7 @@ class InputProcessor:
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **(template_kwargs or {}),
         )
         return {
             "prompt": text,

@@ -1,0 +1,206 @@
+"""`POST /v1/completions`: prompts as text, a list of texts, token ids or lists of them;
+`n` choices per prompt (choice index = prompt index * n + completion index); streamed as
+SSE deltas or returned whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from minivllm.frontend.server.errors import OpenAIError
+from minivllm.frontend.server.logprobs import completion_logprobs, prompt_logprobs_json
+from minivllm.frontend.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    StreamResponse,
+    UsageInfo,
+)
+from minivllm.frontend.server.sampling import completion_sampling_params
+from minivllm.frontend.server.streaming import (
+    EventStreamResponse,
+    cancel_on_disconnect,
+    merge,
+    stream_events,
+)
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.frontend.server.app import ServerState
+
+Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
+
+
+async def create_completion(state: ServerState, raw: Request) -> Response:
+    request = state.decode(await raw.body(), CompletionRequest)
+    model = state.check_model(request.model)
+    if request.suffix:
+        raise OpenAIError("suffix is not supported", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
+    prompts = _prompts(state, request)
+    params = completion_sampling_params(request, request.stream)
+    state.check_max_tokens(params.max_tokens)
+    request_id = state.request_id("cmpl")
+    streams = [
+        state.engine.generate(
+            {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"
+        )
+        for i, (text, ids) in enumerate(prompts)
+    ]
+    view = _CompletionView(state, request, params, prompts, request_id, model)
+    if request.stream:
+        return EventStreamResponse(stream_events(view.chunks(merge(streams))))
+    finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+
+    async def run() -> None:
+        async for i, out in merge(streams):
+            finals[i] = out
+
+    await cancel_on_disconnect(raw, run())
+    return state.json(view.response(finals))
+
+
+def _prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
+    prompt = request.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        raise OpenAIError("prompt: you must pass at least one non-empty prompt", param="prompt")
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and all(_is_id(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list):
+        items = prompt
+    else:
+        items = [prompt]
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append((item, state.tokenize(item, request.add_special_tokens, "prompt")))
+        elif isinstance(item, list) and item and all(_is_id(t) for t in item):
+            prompts.append((None, item))
+        else:
+            raise OpenAIError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                f"lists of token ids; got {type(item).__name__} {item!r:.60}",
+                param="prompt",
+            )
+    for _, ids in prompts:
+        state.check_prompt(ids, "prompt")
+    return prompts
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _CompletionView:
+    """Turns one request's `RequestOutput`s into response bodies or stream chunks."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[Prompt],
+        request_id: str,
+        model: str,
+    ) -> None:
+        self.state = state
+        self.request = request
+        self.n = params.n
+        self.num_top = request.logprobs
+        self.prompts = prompts
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        return text if text is not None else self.state.detokenize(ids)
+
+    def _choice(
+        self, i: int, out: RequestOutput, c: CompletionOutput, text_offset: int, first: bool
+    ) -> CompletionChoice:
+        """The choice for completion `c` of prompt `i`; `first`: its first chunk (or whole)."""
+        request = self.request
+        text, token_ids = c.text, c.token_ids
+        logprobs = None
+        if self.num_top is not None:
+            steps = c.logprobs or [None] * len(token_ids)
+            if request.echo and first:
+                prompt_ids = self.prompts[i][1]
+                prompt_steps = getattr(out, "prompt_logprobs", None) or [None] * len(prompt_ids)
+                token_ids, steps = prompt_ids + token_ids, list(prompt_steps) + list(steps)
+            logprobs = completion_logprobs(
+                token_ids, steps, self.num_top, text_offset, self.state.decode_token
+            )
+        if request.echo and first:
+            text = self._prompt_text(i) + text
+        choice = CompletionChoice(
+            index=i * self.n + c.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        if request.return_token_ids:
+            choice.token_ids = c.token_ids
+            if first:
+                choice.prompt_token_ids = self.prompts[i][1]
+        if first and request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
+        return choice
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        choices = [
+            self._choice(i, out, c, 0, True) for i, out in enumerate(finals) for c in out.outputs
+        ]
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self._usage(sum(len(c.token_ids) for o in finals for c in o.outputs)),
+        )
+
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+
+    async def chunks(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[StreamResponse]:
+        """DELTA outputs -> one chunk per completion delta, then the usage chunk if asked."""
+        options = self.request.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+        text_len: dict[int, int] = {}  # text sent so far, per choice
+        num_tokens = 0
+        async for i, out in outputs:
+            for c in out.outputs:
+                index = i * self.n + c.index
+                offset = text_len.get(index)
+                choice = self._choice(i, out, c, offset or 0, offset is None)
+                text_len[index] = (offset or 0) + len(choice.text)
+                num_tokens += len(c.token_ids)
+                chunk = StreamResponse(
+                    self.request_id, "text_completion", self.created, self.model, [choice]
+                )
+                if continuous:
+                    chunk.usage = self._usage(num_tokens)
+                yield chunk
+        if options is not None and options.include_usage:
+            yield StreamResponse(
+                self.request_id,
+                "text_completion",
+                self.created,
+                self.model,
+                [],
+                self._usage(num_tokens),
+            )

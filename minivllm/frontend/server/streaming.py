@@ -1,0 +1,122 @@
+"""Server-sent events, several generators merged into one stream, and requests that end
+when their client leaves.
+
+A client that disconnects must have its requests aborted within a second, whether or not
+tokens are flowing: `StreamingResponse` alone notices only when a write fails, which never
+happens while a request waits in the queue. So both response paths race the work against
+the ASGI `http.disconnect` message and cancel it; cancelling the consumer of
+`AsyncLLM.generate` aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minivllm.exceptions import EngineDeadError
+from minivllm.frontend.server.errors import OpenAIError
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(payload: Any) -> bytes:
+    """One `data:` event carrying `payload` as JSON."""
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise CancelledError."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` whose producer is cancelled as soon as the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not stream.done():
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+        error = None if stream.cancelled() else stream.exception()
+        if error is not None and not isinstance(error, OSError):  # OSError: the client left
+            raise error
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of all `streams` as they come, each with its stream's index. One stream is
+    iterated directly; several run as tasks. Leaving early closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def drain(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except BaseException as e:  # the consumer re-raises it
+            await queue.put((i, e))
+            return
+        await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_events(chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """SSE bytes of `chunks`, then `data: [DONE]`. An error after the stream started (the
+    headers are gone) becomes one `data: {"error": ...}` event, as vLLM sends it."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except ValueError as e:
+        yield b"data: " + OpenAIError(str(e)).body() + b"\n\n"
+    except EngineDeadError as e:
+        yield b"data: " + OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE).body() + b"\n\n"
+    yield DONE
