@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from minivllm.frontend.mp_client import SyncMPClient
-from tests.server.conftest import server_env
+from tests.server.conftest import server_env, stop_cleanly
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,6 @@ def test_two_api_servers_share_one_daemon(daemon: str, server_factory) -> None:
             'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 8.0'
             in metrics
         )
-    a.stop()
+    stop_cleanly(a)
     r = httpx.post(f"{b.url}/v1/completions", json=body, timeout=60)
     assert r.json()["choices"][0]["text"] == texts[0]

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import descendants
+
 
 @pytest.fixture(scope="module")
 def server(server_factory, qwen3_dir: str):
@@ -39,7 +41,7 @@ def server_model(server) -> str:
 
 def test_health_is_503_once_the_engine_is_dead(server) -> None:
     # the engine-core is the server's child that has a child of its own (the worker)
-    (core,) = [p for p in server.children() if p.ppid() == server.proc.pid and p.children()]
+    (core,) = [p for p in descendants(server) if p.ppid() == server.proc.pid and p.children()]
     body = {"model": server_model(server), "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
     headers = {"authorization": "Bearer sesame"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:

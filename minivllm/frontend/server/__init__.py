@@ -10,4 +10,5 @@ of `AsyncLLM`, with vLLM's endpoints, request fields, error shapes and Prometheu
     chat.py         /v1/chat/completions
     app.py          the app: routes, API key, stats log task
     serve.py        the `minivllm serve` command
+    launch.py       a server in a subprocess, for benchmarks and tests
 """

@@ -5,7 +5,6 @@ deltas (a first chunk per choice carries the role) or returned whole."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -49,7 +48,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     stream = state.engine.generate(prompt, params, request_id)
     view = _ChatView(request, params.n, len(prompt["prompt_token_ids"]), request_id, model)
     if request.stream:
-        return EventStreamResponse(stream_events(view.chunks(merge([stream]))))
+        return EventStreamResponse(stream_events([stream], view))
     final: list[RequestOutput] = []
 
     async def run() -> None:
@@ -168,30 +167,36 @@ class _ChatView:
     def _chunk(self, choices: list[ChatStreamChoice]) -> StreamResponse:
         return StreamResponse(self.request_id, _OBJECT_CHUNK, self.created, self.model, choices)
 
-    async def chunks(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[StreamResponse]:
+    def first_chunks(self) -> list[StreamResponse]:
+        """The role, once per choice, before any text (as OpenAI and vLLM send it)."""
         options = self.request.stream_options
-        continuous = options is not None and options.continuous_usage_stats
-        for index in range(self.n):
-            yield self._chunk([ChatStreamChoice(index, DeltaMessage(role="assistant", content=""))])
-        num_tokens = 0
-        async for _, out in outputs:
-            for c in out.outputs:
-                num_tokens += len(c.token_ids)
-                choice = ChatStreamChoice(
-                    index=c.index,
-                    delta=DeltaMessage(content=c.text),
-                    logprobs=self._logprobs(c),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    token_ids=c.token_ids if self.request.return_token_ids else None,
-                )
-                chunk = self._chunk([choice])
-                if continuous:
-                    chunk.usage = self._usage(num_tokens)
-                yield chunk
-        if options is not None and options.include_usage:
-            chunk = self._chunk([])
-            chunk.usage = self._usage(num_tokens)
-            yield chunk
+        self.continuous = options is not None and options.continuous_usage_stats
+        self.num_tokens = 0
+        role = DeltaMessage(role="assistant", content="")
+        return [self._chunk([ChatStreamChoice(i, role)]) for i in range(self.n)]
+
+    def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
+        chunks = []
+        for c in out.outputs:
+            self.num_tokens += len(c.token_ids)
+            choice = ChatStreamChoice(
+                index=c.index,
+                delta=DeltaMessage(content=c.text),
+                logprobs=self._logprobs(c),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if self.request.return_token_ids else None,
+            )
+            chunk = self._chunk([choice])
+            if self.continuous:
+                chunk.usage = self._usage(self.num_tokens)
+            chunks.append(chunk)
+        return chunks
+
+    def last_chunks(self) -> list[StreamResponse]:
+        options = self.request.stream_options
+        if options is None or not options.include_usage:
+            return []
+        chunk = self._chunk([])
+        chunk.usage = self._usage(self.num_tokens)
+        return [chunk]

@@ -5,7 +5,6 @@ SSE deltas or returned whole."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -55,7 +54,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     ]
     view = _CompletionView(state, request, params, prompts, request_id, model)
     if request.stream:
-        return EventStreamResponse(stream_events(view.chunks(merge(streams))))
+        return EventStreamResponse(stream_events(streams, view))
     finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
 
     async def run() -> None:
@@ -174,33 +173,35 @@ class _CompletionView:
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         return UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
 
-    async def chunks(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[StreamResponse]:
-        """DELTA outputs -> one chunk per completion delta, then the usage chunk if asked."""
+    def first_chunks(self) -> list[StreamResponse]:
         options = self.request.stream_options
-        continuous = options is not None and options.continuous_usage_stats
-        text_len: dict[int, int] = {}  # text sent so far, per choice
-        num_tokens = 0
-        async for i, out in outputs:
-            for c in out.outputs:
-                index = i * self.n + c.index
-                offset = text_len.get(index)
-                choice = self._choice(i, out, c, offset or 0, offset is None)
-                text_len[index] = (offset or 0) + len(choice.text)
-                num_tokens += len(c.token_ids)
-                chunk = StreamResponse(
-                    self.request_id, "text_completion", self.created, self.model, [choice]
-                )
-                if continuous:
-                    chunk.usage = self._usage(num_tokens)
-                yield chunk
-        if options is not None and options.include_usage:
-            yield StreamResponse(
-                self.request_id,
-                "text_completion",
-                self.created,
-                self.model,
-                [],
-                self._usage(num_tokens),
+        self.continuous = options is not None and options.continuous_usage_stats
+        self.text_len: dict[int, int] = {}  # text sent so far, per choice
+        self.num_tokens = 0
+        return []
+
+    def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
+        """A DELTA output -> one chunk per completion delta in it."""
+        chunks = []
+        for c in out.outputs:
+            index = i * self.n + c.index
+            offset = self.text_len.get(index)
+            choice = self._choice(i, out, c, offset or 0, offset is None)
+            self.text_len[index] = (offset or 0) + len(choice.text)
+            self.num_tokens += len(c.token_ids)
+            chunk = StreamResponse(
+                self.request_id, "text_completion", self.created, self.model, [choice]
             )
+            if self.continuous:
+                chunk.usage = self._usage(self.num_tokens)
+            chunks.append(chunk)
+        return chunks
+
+    def last_chunks(self) -> list[StreamResponse]:
+        options = self.request.stream_options
+        if options is None or not options.include_usage:
+            return []
+        usage = self._usage(self.num_tokens)
+        return [
+            StreamResponse(self.request_id, "text_completion", self.created, self.model, [], usage)
+        ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -109,11 +109,34 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def stream_events(chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """SSE bytes of `chunks`, then `data: [DONE]`. An error after the stream started (the
-    headers are gone) becomes one `data: {"error": ...}` event, as vLLM sends it."""
+class StreamView(Protocol):
+    """How one endpoint turns a request's DELTA outputs into stream chunks."""
+
+    def first_chunks(self) -> list[Any]: ...
+
+    def chunks(self, i: int, output: Any) -> list[Any]: ...
+
+    def last_chunks(self) -> list[Any]: ...
+
+
+async def stream_events(
+    streams: list[AsyncIterator[Any]], view: StreamView
+) -> AsyncIterator[bytes]:
+    """SSE bytes of the view's chunks for `streams`' outputs, then `data: [DONE]`. An error
+    after the stream started (the headers are gone) becomes one `data: {"error": ...}` event,
+    as vLLM sends it. One stream is read directly: each layer here costs every token."""
     try:
-        async for chunk in chunks:
+        for chunk in view.first_chunks():
+            yield sse(chunk)
+        if len(streams) == 1:
+            async for output in streams[0]:
+                for chunk in view.chunks(0, output):
+                    yield sse(chunk)
+        else:
+            async for i, output in merge(streams):
+                for chunk in view.chunks(i, output):
+                    yield sse(chunk)
+        for chunk in view.last_chunks():
             yield sse(chunk)
     except ValueError as e:
         yield b"data: " + OpenAIError(str(e)).body() + b"\n\n"
