@@ -4,7 +4,7 @@ encoding + decoding one 256-request step.
     PYTHONPATH=. python benchmarks/ipc_roundtrip.py [--iters 20000] [--transport ipc|tcp]
 
 The child process plays the engine-core: it connects a DEALER to the parent's ROUTER, says
-hello with a Handshake, then answers each message. "raw" echoes the frames untouched;
+hello with a Heartbeat, then answers each message. "raw" echoes the frames untouched;
 "typed" decodes an EngineCoreRequest and answers with an encoded EngineCoreOutputs, as the
 real input/output threads do.
 """
@@ -25,7 +25,7 @@ from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Handshake,
+    Heartbeat,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -63,7 +63,7 @@ def _child(address: str, typed: bool) -> None:
     sock = connect_socket(ctx, zmq.DEALER, address, identity=b"core")
     encoder, decoder = MsgEncoder(), MsgDecoder(FRONTEND_TO_CORE)
     reply = encoder.encode(EngineCoreOutputs([EngineCoreOutput("r", [42])], timestamp=1.0))
-    send_msg(sock, encoder.encode(Handshake(role="engine-core", pid=os.getpid())))
+    send_msg(sock, encoder.encode(Heartbeat(os.getpid())))
     while True:
         frames = recv_msg(sock)
         if frames[0] == STOP:

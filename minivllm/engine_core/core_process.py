@@ -31,12 +31,15 @@ from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
     PROTOCOL_VERSION,
-    UTILITY_METHODS,
     Abort,
+    ClientHello,
+    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Handshake,
+    Heartbeat,
+    RouteReady,
     UtilityCall,
+    UtilityMethod,
     UtilityResult,
 )
 from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
@@ -126,10 +129,8 @@ class EngineCoreProc:
             logger.info("client %d is gone; aborted its %d request(s)", client_id, len(aborted))
 
     def _call(self, call: UtilityCall) -> UtilityResult:
-        if call.method not in UTILITY_METHODS:
-            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
         try:
-            if call.method == "shutdown":
+            if call.method == UtilityMethod.SHUTDOWN:
                 self.stop_reason = "engine-core shut down by a client"
                 result: Any = True
             else:
@@ -188,12 +189,11 @@ class EngineCoreProc:
                     logger.warning("dropped a message from a peer with a malformed identity")
                     continue
                 last_seen[client] = now
-                if isinstance(msg, Handshake):
-                    if msg.role == "client":
-                        reply = self._handshake_reply(client, msg)
-                        transport.send_to(self.input_sock, got[0], encoder.encode(reply))
-                    continue  # heartbeats only refresh last_seen
-                self.input_queue.put((client, msg))
+                if isinstance(msg, ClientHello):
+                    reply = self.info(client, msg)
+                    transport.send_to(self.input_sock, got[0], encoder.encode(reply))
+                elif not isinstance(msg, Heartbeat):  # a heartbeat only refreshes last_seen
+                    self.input_queue.put((client, msg))
             if now >= next_check:
                 next_check = now + 0.5
                 for client, seen in list(last_seen.items()):
@@ -202,20 +202,17 @@ class EngineCoreProc:
                         self.input_queue.put((client, _CLIENT_GONE))
                         self.output_queue.put((client, _CLIENT_GONE))
 
-    def _handshake_reply(self, client: int, hello: Handshake) -> Handshake:
+    def info(self, client: int = 0, hello: ClientHello | None = None) -> EngineCoreInfo:
         m = self.config.model
-        reply = Handshake(
-            role="engine-core",
+        reply = EngineCoreInfo(
             client_id=client,
             model=m.model,
             tokenizer=m.tokenizer,
             max_model_len=m.max_model_len,
             input_address=self.input_address,
             output_address=self.output_address,
-            pid=os.getpid(),
-            num_gpu_blocks=self.engine_core.num_blocks,
         )
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if hello is not None and hello.protocol_version != PROTOCOL_VERSION:
             reply.error = (
                 f"protocol version mismatch: client speaks {hello.protocol_version}, "
                 f"engine-core speaks {PROTOCOL_VERSION}"
@@ -226,7 +223,7 @@ class EngineCoreProc:
         encoder, decoder = MsgEncoder(), MsgDecoder(FRONTEND_TO_CORE)
         routable: set[int] = set()
         pending: dict[int, list[Any]] = {}
-        heartbeat = encoder.encode(Handshake(role="heartbeat"))
+        heartbeat = encoder.encode(Heartbeat())
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
 
         def send(client: int, frames: list) -> None:
@@ -243,9 +240,9 @@ class EngineCoreProc:
                 if decoded is None:
                     continue
                 client, msg = decoded
-                if client is not None and isinstance(msg, Handshake) and msg.role == "client":
+                if client is not None and isinstance(msg, ClientHello):
                     routable.add(client)
-                    send(client, encoder.encode(Handshake(role="ready", client_id=client)))
+                    send(client, encoder.encode(RouteReady(client)))
                     for frames_ in pending.pop(client, []):
                         send(client, frames_)
             try:
@@ -306,20 +303,10 @@ def run_engine_core(
         error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
         logger.error("%s\n%s", error, traceback.format_exc())
         if ready_pipe is not None:
-            ready_pipe.send_bytes(
-                msgspec.msgpack.encode(Handshake(role="engine-core", error=error))
-            )
+            ready_pipe.send_bytes(msgspec.msgpack.encode(EngineCoreInfo(error=error)))
         raise SystemExit(1) from None
-    ready = Handshake(
-        role="engine-core",
-        input_address=proc.input_address,
-        output_address=proc.output_address,
-        pid=os.getpid(),
-        max_model_len=config.model.max_model_len,
-        num_gpu_blocks=proc.engine_core.num_blocks,
-    )
     if ready_pipe is not None:
-        ready_pipe.send_bytes(msgspec.msgpack.encode(ready))
+        ready_pipe.send_bytes(msgspec.msgpack.encode(proc.info()))
         ready_pipe.close()
     logger.info(
         "engine-core listening on %s (outputs on %s)", proc.input_address, proc.output_address

@@ -24,6 +24,7 @@ from minivllm.protocol.messages import (
     FinishReason,
     ModelRunnerOutput,
     SchedulerOutput,
+    UtilityMethod,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class EngineCore:
         applied on a later call, after the next one has been launched behind it."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.max_in_flight:
             so = self.scheduler.schedule()
-            if so.total_num_scheduled_tokens > 0 or so.finished_req_ids:
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 if self.trace.enabled:
                     self.trace.launched(so)
                 self.batch_queue.append((so, self.executor.execute_model(so)))
@@ -125,17 +126,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ utilities
 
-    def call_utility(self, method: str) -> Any:
+    def call_utility(self, method: UtilityMethod) -> Any:
         """The utility calls a client may make of the step loop itself (the process wrapper
-        adds "shutdown")."""
-        if method == "stats":
+        handles SHUTDOWN)."""
+        if method == UtilityMethod.STATS:
             return self.stats()
-        if method == "reset_prefix_cache":
+        if method == UtilityMethod.RESET_PREFIX_CACHE:
             return self.reset_prefix_cache()
-        if method == "health":
+        if method == UtilityMethod.HEALTH:
             self.executor.check_health()
             return True
-        raise ValueError(f"unknown utility method {method!r}")
+        raise ValueError(f"utility method {method.name} is not served by the step loop")
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

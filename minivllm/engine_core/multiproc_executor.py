@@ -15,7 +15,15 @@ from minivllm.engine_core.executor import Executor
 from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
-from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
+from minivllm.protocol.messages import (
+    InitKVCache,
+    ModelRunnerOutput,
+    Rendezvous,
+    SchedulerOutput,
+    ShutdownWorker,
+    WorkerLoaded,
+    WorkerReady,
+)
 from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
@@ -85,21 +93,20 @@ class MultiprocExecutor(Executor):
         blocks: dict[int, int] = {}
         while len(blocks) < tp:
             msg = self._recv_startup(deadline)
-            if msg.role == "rendezvous":
-                ctl = WorkerControl("rendezvous", [msg.input_address])
+            if isinstance(msg, Rendezvous):  # rank 0's store, for the other ranks
                 for sock in self.step_socks[1:]:
-                    transport.send_msg(sock, self.encoder.encode(ctl))
-            elif msg.role == "worker":
+                    transport.send_msg(sock, self.encoder.encode(msg))
+            elif isinstance(msg, WorkerLoaded):
                 blocks[msg.rank] = msg.num_gpu_blocks
         num_blocks = min(blocks.values())
-        self._broadcast(WorkerControl("init_kv_cache", [num_blocks]))
+        self._broadcast(InitKVCache(num_blocks))
         ready = 0
         while ready < tp:
-            ready += self._recv_startup(deadline).role == "worker-ready"
+            ready += isinstance(self._recv_startup(deadline), WorkerReady)
         logger.info("%d worker process(es) ready: pids %s", tp, [p.pid for p in self.procs])
         return num_blocks
 
-    def _recv_startup(self, deadline: float) -> Handshake:
+    def _recv_startup(self, deadline: float) -> Rendezvous | WorkerLoaded | WorkerReady:
         while time.monotonic() < deadline:
             frames = transport.recv_msg(self.results, timeout_ms=_POLL_MS)
             if frames is None:
@@ -110,7 +117,7 @@ class MultiprocExecutor(Executor):
             msg = self._decode(frames)
             if isinstance(msg, ModelRunnerOutput) and msg.error:
                 raise EngineStartupError(msg.error)
-            if isinstance(msg, Handshake):
+            if isinstance(msg, (Rendezvous, WorkerLoaded, WorkerReady)):
                 return msg
         raise EngineStartupError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
@@ -188,7 +195,7 @@ class MultiprocExecutor(Executor):
         self._shut = True
         if self._dead is None and self.step_socks:
             with contextlib.suppress(zmq.ZMQError):
-                self._broadcast(WorkerControl("shutdown"))
+                self._broadcast(ShutdownWorker())
             deadline = time.monotonic() + 2.0
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))

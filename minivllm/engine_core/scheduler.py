@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # workers must forget these at the next step
+        self.preempted_req_ids: set[str] = set()  # and these, preempted by this step
         self.step_id = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
@@ -215,8 +216,10 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=sorted(self.finished_req_ids),
+            preempted_req_ids=sorted(self.preempted_req_ids),
         )
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
         self.step_id += 1
         return output
 
@@ -302,7 +305,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
-        self.finished_req_ids.add(request.request_id)
+        self.preempted_req_ids.add(request.request_id)
         self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
 

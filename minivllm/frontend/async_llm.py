@@ -19,6 +19,7 @@ from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -157,15 +158,15 @@ class AsyncLLM:
             self.stats.log()
 
     async def get_stats(self) -> dict:
-        return await self.client.call_utility_async("stats")
+        return await self.client.call_utility_async(UtilityMethod.STATS)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.client.call_utility_async("reset_prefix_cache")
+        return await self.client.call_utility_async(UtilityMethod.RESET_PREFIX_CACHE)
 
     async def check_health(self) -> None:
         if self.dead is not None:
             raise self.dead
-        await self.client.call_utility_async("health")
+        await self.client.call_utility_async(UtilityMethod.HEALTH)
 
     def shutdown(self) -> None:
         if self._handler is not None:

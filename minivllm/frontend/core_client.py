@@ -8,9 +8,10 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import (
+    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Handshake,
+    UtilityMethod,
 )
 
 
@@ -26,13 +27,13 @@ class EngineCoreClient(ABC):
         """The next batch of outputs for this client (blocks until there is one)."""
 
     @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def call_utility(self, method: UtilityMethod) -> Any: ...
 
     @abstractmethod
     def shutdown(self) -> None: ...
 
 
-def attached_engine_config(info: Handshake) -> EngineConfig:
+def attached_engine_config(info: EngineCoreInfo) -> EngineConfig:
     """The config a client attached to a daemon works with, from the daemon's handshake
     (the model directory must be readable here too: its tokenizer and config are used)."""
     from minivllm.config import EngineArgs
@@ -75,7 +76,7 @@ class InprocClient(EngineCoreClient):
                 return outputs[0]
         return EngineCoreOutputs()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: UtilityMethod) -> Any:
         return self.core.call_utility(method)
 
     def shutdown(self) -> None:

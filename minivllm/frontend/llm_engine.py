@@ -17,6 +17,7 @@ from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
 
 
@@ -86,10 +87,10 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.call_utility("reset_prefix_cache")
+        return self.engine_core.call_utility(UtilityMethod.RESET_PREFIX_CACHE)
 
     def get_stats(self) -> dict:
-        return self.engine_core.call_utility("stats")
+        return self.engine_core.call_utility(UtilityMethod.STATS)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

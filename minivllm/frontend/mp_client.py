@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -32,10 +32,14 @@ from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, termin
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
     Abort,
+    ClientHello,
+    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Handshake,
+    Heartbeat,
+    RouteReady,
     UtilityCall,
+    UtilityMethod,
 )
 from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder
 
@@ -46,6 +50,7 @@ CONNECT_TIMEOUT_S = 30.0
 ENGINE_TIMEOUT_S = 3.0  # the core heartbeats every 0.5 s
 HEARTBEAT_INTERVAL_S = 1.0
 _POLL_MS = 100
+T = TypeVar("T")
 
 
 class _MPClient:
@@ -93,7 +98,7 @@ class _MPClient:
             if time.monotonic() > deadline:
                 raise EngineStartupError(f"engine-core did not start in {STARTUP_TIMEOUT_S:.0f} s")
         try:
-            hello = msgspec.msgpack.decode(ready.recv_bytes(), type=Handshake)
+            hello = msgspec.msgpack.decode(ready.recv_bytes(), type=EngineCoreInfo)
         except EOFError:
             proc.join(5)
             raise EngineStartupError(f"{describe_exit(proc)} during startup") from None
@@ -104,23 +109,23 @@ class _MPClient:
             raise EngineStartupError(f"{hello.error} ({describe_exit(proc)})")
         return hello.input_address
 
-    def _attach(self, address: str) -> Handshake:
+    def _attach(self, address: str) -> EngineCoreInfo:
         self.input_sock = transport.connect_socket(
             self.ctx, zmq.DEALER, address, identity=self.identity
         )
-        hello = self.encoder.encode(Handshake(role="client", client_id=self.client_id))
+        hello = self.encoder.encode(ClientHello(self.client_id))
         transport.send_msg(self.input_sock, hello)
-        info = self._wait_handshake(self.input_sock, "engine-core", address)
+        info = self._wait_handshake(self.input_sock, EngineCoreInfo, address)
         if info.error:
             raise EngineStartupError(f"engine-core at {address} refused this client: {info.error}")
         self.output_sock = transport.connect_socket(
             self.ctx, zmq.DEALER, info.output_address, identity=self.identity
         )
         transport.send_msg(self.output_sock, hello)
-        self._wait_handshake(self.output_sock, "ready", info.output_address)
+        self._wait_handshake(self.output_sock, RouteReady, info.output_address)
         return info
 
-    def _wait_handshake(self, sock: zmq.Socket, role: str, address: str) -> Handshake:
+    def _wait_handshake(self, sock: zmq.Socket, reply: type[T], address: str) -> T:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while time.monotonic() < deadline:
             frames = transport.recv_msg(sock, timeout_ms=_POLL_MS)
@@ -132,7 +137,7 @@ class _MPClient:
                 msg = self.decoder.decode(frames)
             except ValueError:
                 continue
-            if isinstance(msg, Handshake) and msg.role == role:
+            if isinstance(msg, reply):
                 return msg
         raise EngineStartupError(f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S} s")
 
@@ -195,7 +200,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
             transport.send_msg(self.input_sock, frames)
 
     def _heartbeat_loop(self) -> None:
-        beat = self.encoder.encode(Handshake(role="heartbeat", client_id=self.client_id))
+        beat = self.encoder.encode(Heartbeat(self.client_id))
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):
             with self._send_lock, contextlib.suppress(zmq.ZMQError):
                 if self.input_sock is not None:
@@ -228,15 +233,15 @@ class SyncMPClient(_MPClient, EngineCoreClient):
             self._recv_one()
         return self._pending.popleft()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: UtilityMethod) -> Any:
         self._check_alive()
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, method, list(args)))
+        self._send(UtilityCall(call_id, method))
         while call_id not in self._utility:
             self._recv_one()
         result = self._utility.pop(call_id)
         if result.error:
-            raise RuntimeError(f"utility call {method!r} failed: {result.error}")
+            raise RuntimeError(f"utility call {method.name} failed: {result.error}")
         return result.result
 
     def shutdown(self) -> None:
@@ -279,7 +284,7 @@ class AsyncMPClient(_MPClient):
         await transport.send_msg_async(self.input_async, self.encoder.encode(msg))
 
     async def _heartbeat_loop(self) -> None:
-        beat = self.encoder.encode(Handshake(role="heartbeat", client_id=self.client_id))
+        beat = self.encoder.encode(Heartbeat(self.client_id))
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             await transport.send_msg_async(self.input_async, beat, copy=True)
@@ -328,16 +333,16 @@ class AsyncMPClient(_MPClient):
             raise msg
         return msg
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_utility_async(self, method: UtilityMethod) -> Any:
         self._ensure_started()
         self._check_alive()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._utility[call_id] = fut
-        await self._send(UtilityCall(call_id, method, list(args)))
+        await self._send(UtilityCall(call_id, method))
         result = await fut
         if result.error:
-            raise RuntimeError(f"utility call {method!r} failed: {result.error}")
+            raise RuntimeError(f"utility call {method.name} failed: {result.error}")
         return result.result
 
     def shutdown(self) -> None:

@@ -2,6 +2,13 @@
 
 Every message is a msgspec Struct; `serial.py` tags each with a one-byte type and decodes it
 into exactly the declared type, so nothing on any socket is ever unpickled.
+
+Start-up, as it travels:
+
+    client       ClientHello ──► core (input socket)  ──► EngineCoreInfo
+                 ClientHello ──► core (output socket) ──► RouteReady; then Heartbeats both ways
+    worker 0     Rendezvous (its TCPStore, TP only) ──► core ──► Rendezvous to the other ranks
+    each worker  WorkerLoaded ──► core ──► InitKVCache (the smallest count) ──► WorkerReady
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import msgspec
 
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class FinishReason(enum.IntEnum):
@@ -48,15 +55,20 @@ class Abort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_ids: list[str]
 
 
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "health", "shutdown")
+class UtilityMethod(enum.IntEnum):
+    """What a client may ask of the engine-core besides requests."""
+
+    STATS = 0  # the scheduler's `SchedulerStats`, as a dict
+    RESET_PREFIX_CACHE = 1  # True if it was reset (refused while blocks are in use)
+    HEALTH = 2  # True, or an error if a worker is dead
+    SHUTDOWN = 3  # stop the engine-core (a daemon too)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Call one method of a fixed allow-list (`UTILITY_METHODS`) on the engine-core."""
+    """Call one `UtilityMethod` on the engine-core; answered by a `UtilityResult`."""
 
     call_id: int
-    method: str
-    args: list[Any] = []
+    method: UtilityMethod
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -117,21 +129,38 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_dead: str | None = None  # set on the last message of an engine that is dying
 
 
-class Handshake(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Exchanged once when a client (or worker) attaches: who is there and how to talk to it."""
+class ClientHello(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A client attaching: sent on the input socket (answered by `EngineCoreInfo`), then on
+    the output socket to open its route there (answered by `RouteReady`)."""
 
+    client_id: int
     protocol_version: int = PROTOCOL_VERSION
-    role: str = ""  # "client", "engine-core" or "worker"
+
+
+class EngineCoreInfo(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Who the engine-core is and where to reach it: the reply to a `ClientHello`, and what
+    a spawned engine-core sends its parent once it listens. `error` is set instead when it
+    refuses the client (protocol version) or failed to start."""
+
     client_id: int = 0
     model: str = ""
     tokenizer: str = ""
     max_model_len: int = 0
     input_address: str = ""
     output_address: str = ""
-    rank: int = 0
-    pid: int = 0
-    num_gpu_blocks: int = 0
     error: str | None = None
+
+
+class RouteReady(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The engine-core can now send this client its outputs."""
+
+    client_id: int
+
+
+class Heartbeat(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A sign of life: clients send one every second, the engine-core every 0.5 s."""
+
+    client_id: int = 0
 
 
 # ---------------------------------------------------------------- engine-core ⇄ workers
@@ -165,8 +194,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = {}  # req_id -> tokens to run this step
     total_num_scheduled_tokens: int = 0
-    # requests the workers must forget: finished, aborted or preempted since the last step
-    finished_req_ids: list[str] = []
+    finished_req_ids: list[str] = []  # finished or aborted since the last step: forget them
+    # preempted by this step: forget them too (one that resumes comes back in full)
+    preempted_req_ids: list[str] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -179,8 +209,33 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     error: str | None = None  # the step failed; the engine turns this into a dead engine
 
 
-class WorkerControl(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Out-of-band orders from the engine-core to its workers."""
+class Rendezvous(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where rank 0's TCPStore listens: rank 0 → engine-core → the other ranks (TP only)."""
 
-    command: str  # "shutdown" | "profile" | "reset"
-    args: list[Any] = []
+    host: str
+    port: int
+
+
+class WorkerLoaded(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A worker has its model loaded and this many KV blocks would fit."""
+
+    rank: int
+    pid: int
+    num_gpu_blocks: int
+
+
+class InitKVCache(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Allocate this many KV blocks (every rank gets the same, the smallest that fits)."""
+
+    num_blocks: int
+
+
+class WorkerReady(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A worker has its KV cache and waits for steps."""
+
+    rank: int
+    pid: int
+
+
+class ShutdownWorker(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Leave the step loop and exit."""

@@ -25,35 +25,49 @@ import numpy as np
 
 from minivllm.protocol.messages import (
     Abort,
+    ClientHello,
+    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
-    Handshake,
+    Heartbeat,
+    InitKVCache,
     ModelRunnerOutput,
+    Rendezvous,
+    RouteReady,
     SchedulerOutput,
+    ShutdownWorker,
     UtilityCall,
-    UtilityResult,
-    WorkerControl,
+    WorkerLoaded,
+    WorkerReady,
 )
 
-# Stable tag bytes. Letters make captured frames readable; never reuse a retired letter.
+# Stable tag bytes. Letters make captured frames readable; never reuse a retired letter
+# (retired with protocol 1: H, the handshake with string roles; W, the string-named worker
+# commands; V, a utility result on its own, which only ever travels inside an O).
 TAGS: dict[type[msgspec.Struct], bytes] = {
     EngineCoreRequest: b"R",
     Abort: b"A",
     UtilityCall: b"U",
-    UtilityResult: b"V",
     EngineCoreOutputs: b"O",
-    Handshake: b"H",
+    ClientHello: b"C",
+    EngineCoreInfo: b"I",
+    RouteReady: b"D",
+    Heartbeat: b"B",
     SchedulerOutput: b"S",
     ModelRunnerOutput: b"M",
-    WorkerControl: b"W",
+    Rendezvous: b"Z",
+    WorkerLoaded: b"L",
+    InitKVCache: b"K",
+    WorkerReady: b"Y",
+    ShutdownWorker: b"X",
 }
 _CLASS_BY_TAG: dict[int, type[msgspec.Struct]] = {tag[0]: cls for cls, tag in TAGS.items()}
 
 # What each socket direction may carry; pass one of these to `MsgDecoder`.
-FRONTEND_TO_CORE: tuple[type, ...] = (EngineCoreRequest, Abort, UtilityCall, Handshake)
-CORE_TO_FRONTEND: tuple[type, ...] = (EngineCoreOutputs, UtilityResult, Handshake)
-CORE_TO_WORKER: tuple[type, ...] = (SchedulerOutput, WorkerControl, Handshake)
-WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Handshake)
+FRONTEND_TO_CORE: tuple[type, ...] = (EngineCoreRequest, Abort, UtilityCall, ClientHello, Heartbeat)
+CORE_TO_FRONTEND: tuple[type, ...] = (EngineCoreOutputs, EngineCoreInfo, RouteReady, Heartbeat)
+CORE_TO_WORKER: tuple[type, ...] = (SchedulerOutput, Rendezvous, InitKVCache, ShutdownWorker)
+WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded, WorkerReady)
 
 # Long id lists leave the msgpack body as raw int32 frames (zero-copy on the wire, and a
 # receiver could keep them as arrays). Building the array from a Python list costs ~19 ns

@@ -26,7 +26,15 @@ import zmq
 from minivllm.config import EngineConfig
 from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
-from minivllm.protocol.messages import Handshake, ModelRunnerOutput, SchedulerOutput, WorkerControl
+from minivllm.protocol.messages import (
+    InitKVCache,
+    ModelRunnerOutput,
+    Rendezvous,
+    SchedulerOutput,
+    ShutdownWorker,
+    WorkerLoaded,
+    WorkerReady,
+)
 from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.step_profiler import StepProfiler
@@ -82,14 +90,7 @@ def run_worker(
         worker = Worker(config, rank=rank, dist_store=store)
         worker.init_device()
         worker.load_model()
-        send(
-            Handshake(
-                role="worker",
-                rank=rank,
-                pid=os.getpid(),
-                num_gpu_blocks=worker.determine_num_blocks(),
-            )
-        )
+        send(WorkerLoaded(rank, os.getpid(), worker.determine_num_blocks()))
         profiler = StepProfiler(rank)
         while True:
             msg = recv()
@@ -101,15 +102,14 @@ def run_worker(
                 out = worker.execute_model_async(msg)
                 if out is not None:
                     send(out)
-            elif isinstance(msg, WorkerControl):
-                if msg.command == "shutdown":
-                    break
-                if msg.command == "init_kv_cache":
-                    worker.initialize_kv_cache(int(msg.args[0]))
-                    # start-up garbage stays put: later collections need not walk it
-                    gc.collect()
-                    gc.freeze()
-                    send(Handshake(role="worker-ready", rank=rank, pid=os.getpid()))
+            elif isinstance(msg, InitKVCache):
+                worker.initialize_kv_cache(msg.num_blocks)
+                # start-up garbage stays put: later collections need not walk it
+                gc.collect()
+                gc.freeze()
+                send(WorkerReady(rank, os.getpid()))
+            elif isinstance(msg, ShutdownWorker):
+                break
     except Exception:
         send(ModelRunnerOutput(step_id=step_id, error=_log_failure(rank)))
         outbox.put(None)
@@ -143,13 +143,12 @@ def _rendezvous(rank: int, send, recv):
 
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        send(Handshake(role="rendezvous", rank=0, input_address=f"127.0.0.1:{store.port}"))
+        send(Rendezvous("127.0.0.1", store.port))
         return store
     msg = recv()
-    if not (isinstance(msg, WorkerControl) and msg.command == "rendezvous"):
+    if not isinstance(msg, Rendezvous):
         raise RuntimeError(f"worker {rank}: expected the rendezvous address, got {msg!r}")
-    host, port = str(msg.args[0]).rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=_timedelta(60))
+    return dist.TCPStore(msg.host, msg.port, is_master=False, timeout=_timedelta(60))
 
 
 def _timedelta(seconds: float):

@@ -13,6 +13,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.frontend.mp_client import SyncMPClient
+from minivllm.protocol.messages import UtilityMethod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,7 +64,7 @@ def wait_for_stats(address: str, predicate, timeout: float) -> dict:
     try:
         deadline = time.monotonic() + timeout
         while True:
-            stats = client.call_utility("stats")
+            stats = client.call_utility(UtilityMethod.STATS)
             if predicate(stats) or time.monotonic() > deadline:
                 return stats
             time.sleep(0.2)

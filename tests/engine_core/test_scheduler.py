@@ -50,7 +50,7 @@ class FakeRunner:
         self.blocks: dict[str, list[int]] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in out.finished_req_ids:
+        for rid in (*out.finished_req_ids, *out.preempted_req_ids):
             self.num_tokens.pop(rid, None)
             self.blocks.pop(rid, None)
         computed = {}
@@ -191,7 +191,7 @@ def test_newest_request_is_preempted_when_blocks_run_out_and_finishes_later():
     while sched.make_stats().num_preemptions == 0:
         outs.append(step(sched, runner, results))
     preempting = outs[-1]
-    assert "new" in preempting.finished_req_ids
+    assert preempting.preempted_req_ids == ["new"] and preempting.finished_req_ids == []
     assert list(preempting.num_scheduled_tokens) == ["old"]
     new = sched.get_request("new")
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0

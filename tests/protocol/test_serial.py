@@ -12,18 +12,26 @@ import pytest
 from minivllm.protocol.messages import (
     Abort,
     CachedRequestData,
+    ClientHello,
+    EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    Handshake,
+    Heartbeat,
+    InitKVCache,
     ModelRunnerOutput,
     NewRequestData,
+    Rendezvous,
+    RouteReady,
     SchedulerOutput,
     SchedulerStats,
+    ShutdownWorker,
     UtilityCall,
+    UtilityMethod,
     UtilityResult,
-    WorkerControl,
+    WorkerLoaded,
+    WorkerReady,
 )
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.serial import (
@@ -65,10 +73,8 @@ def sample_messages() -> list[msgspec.Struct]:
         EngineCoreRequest("r1", [1, 2, 3], sp, eos_token_ids=[2], arrival_time=1.5, client_id=3),
         EngineCoreRequest("r-long", LONG_PROMPT, SamplingParams()),
         Abort(["r1", "r2"]),
-        UtilityCall(7, "stats"),
-        UtilityCall(8, "reset_prefix_cache", [1, "x", None]),
-        UtilityResult(7, {"num_running": 3, "ratio": 0.5}),
-        UtilityResult(8, error="boom"),
+        UtilityCall(7, UtilityMethod.STATS),
+        UtilityCall(8, UtilityMethod.SHUTDOWN),
         EngineCoreOutputs(
             outputs=[
                 EngineCoreOutput("r1", [5, 6]),
@@ -79,8 +85,16 @@ def sample_messages() -> list[msgspec.Struct]:
             timestamp=123.25,
         ),
         EngineCoreOutputs(utility_result=UtilityResult(1, True)),
+        EngineCoreOutputs(utility_result=UtilityResult(7, {"num_running": 3, "ratio": 0.5})),
+        EngineCoreOutputs(utility_result=UtilityResult(8, error="boom")),
         EngineCoreOutputs(engine_dead="worker 0 exited with code -9"),
-        Handshake(role="client", client_id=4, model="m", max_model_len=4096, pid=os.getpid()),
+        ClientHello(4),
+        ClientHello(5, protocol_version=1),
+        EngineCoreInfo(4, "m", "m", 4096, "ipc://a", "ipc://b"),
+        EngineCoreInfo(error="engine-core failed to start: boom"),
+        RouteReady(4),
+        Heartbeat(4),
+        Heartbeat(),
         SchedulerOutput(
             step_id=42,
             scheduled_new_reqs=[_new_req(0, [1, 2, 3]), _new_req(1, LONG_PROMPT), _new_req(2, [])],
@@ -90,12 +104,16 @@ def sample_messages() -> list[msgspec.Struct]:
             num_scheduled_tokens={"req-0": 3, "req-1": 512, "a": 1, "b": 1},
             total_num_scheduled_tokens=517,
             finished_req_ids=["z"],
+            preempted_req_ids=["y"],
         ),
         SchedulerOutput(step_id=0),
         ModelRunnerOutput(3, ["a", "b"], [[11], []]),
         ModelRunnerOutput(4, error="CUDA error: out of memory"),
-        WorkerControl("shutdown"),
-        WorkerControl("profile", ["start"]),
+        Rendezvous("127.0.0.1", 29500),
+        WorkerLoaded(1, os.getpid(), 1000),
+        InitKVCache(1000),
+        WorkerReady(1, os.getpid()),
+        ShutdownWorker(),
     ]
 
 
@@ -142,7 +160,10 @@ def test_ids_outside_int32_stay_inline() -> None:
         (CORE_TO_FRONTEND, EngineCoreRequest("r", [1], SamplingParams())),
         (CORE_TO_WORKER, ModelRunnerOutput(1)),
         (WORKER_TO_CORE, SchedulerOutput(1)),
-        (WORKER_TO_CORE, WorkerControl("shutdown")),
+        (WORKER_TO_CORE, ShutdownWorker()),
+        (CORE_TO_WORKER, WorkerLoaded(0, 1, 2)),
+        (FRONTEND_TO_CORE, EngineCoreInfo()),
+        (CORE_TO_FRONTEND, ClientHello(1)),
     ],
 )
 def test_type_not_allowed_on_socket(allowed: tuple[type, ...], msg: msgspec.Struct) -> None:
@@ -232,7 +253,7 @@ def test_garbage_only_ever_raises_protocol_error() -> None:
 
 def test_empty_and_unknown() -> None:
     decoder = MsgDecoder(ALL_TYPES)
-    for frames in ([], [b""], [b"\x00"], [b"Z\x90"], [memoryview(b"")]):
+    for frames in ([], [b""], [b"\x00"], [b"Q\x90"], [memoryview(b"")]):
         with pytest.raises(ProtocolError):
             decoder.decode(frames)
 
@@ -248,3 +269,14 @@ def test_unregistered_type_is_refused() -> None:
         MsgEncoder().encode(SamplingParams())
     with pytest.raises(TypeError):
         MsgDecoder((SamplingParams,))
+
+
+def test_utility_methods_outside_the_enum_do_not_decode() -> None:
+    head = bytes(MsgEncoder().encode(UtilityCall(1, UtilityMethod.STATS))[0])
+    assert head[0:1] == TAGS[UtilityCall]
+    unknown = head[:1] + msgspec.msgpack.encode([1, 99])
+    with pytest.raises(ProtocolError, match="UtilityCall"):
+        MsgDecoder(FRONTEND_TO_CORE).decode([unknown])
+    by_name = head[:1] + msgspec.msgpack.encode([1, "__import__"])
+    with pytest.raises(ProtocolError, match="UtilityCall"):
+        MsgDecoder(FRONTEND_TO_CORE).decode([by_name])

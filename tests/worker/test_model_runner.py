@@ -13,7 +13,7 @@ import torch
 from minivllm.config import EngineArgs
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
-from minivllm.worker.cuda_graphs import capture_sizes
+from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.worker import Worker
 from tests.hf_reference import hf_greedy
@@ -38,7 +38,7 @@ def new_req(req_id: str, prompt: list[int], blocks: list[int]) -> NewRequestData
     return NewRequestData(req_id, prompt, len(prompt), GREEDY, blocks, 0)
 
 
-def step(step_id: int, new=(), cached=(), finished=()) -> SchedulerOutput:
+def step(step_id: int, new=(), cached=(), finished=(), preempted=()) -> SchedulerOutput:
     """cached: (req_id, new_block_ids, num_computed_tokens, num_scheduled)."""
     num = {r.req_id: len(r.token_ids) for r in new}
     data = CachedRequestData()
@@ -54,6 +54,7 @@ def step(step_id: int, new=(), cached=(), finished=()) -> SchedulerOutput:
         num_scheduled_tokens=num,
         total_num_scheduled_tokens=sum(num.values()),
         finished_req_ids=list(finished),
+        preempted_req_ids=list(preempted),
     )
 
 
@@ -81,11 +82,13 @@ def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
     assert runner.batch.token_ids[state.row, n : n + 2].tolist() == expected_a[:2]
 
 
-def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str) -> None:
-    runner = make_worker(qwen3_dir).model_runner
+@pytest.mark.parametrize("gone", ["finished", "preempted"])
+def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str, gone: str) -> None:
+    # one row only: "b" can run only once "a" is dropped
+    runner = make_worker(qwen3_dir, max_num_seqs=1).model_runner
     runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
-    # "a" finished (aborted) while its token was in flight; "b" takes its row
-    runner.execute_model_async(step(1, new=[new_req("b", PROMPT_B, [2])], finished=["a"]))
+    # "a" finished (aborted) or was preempted while its token was in flight; "b" takes its row
+    runner.execute_model_async(step(1, new=[new_req("b", PROMPT_B, [2])], **{gone: ["a"]}))
     row = runner.batch.requests["b"].row
     before = runner.batch.token_ids[row].copy()
     runner.execute_model_async(step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
@@ -104,11 +107,15 @@ def test_step_buffers_views_share_one_buffer() -> None:
     assert all(off % 64 == 0 for off in bufs.offsets.values())
 
 
-def test_capture_sizes_cover_every_batch() -> None:
-    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
-    assert capture_sizes(256)[-1] == 256
-    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert capture_sizes(1) == [1]
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 20, 256])
+def test_decode_graphs_cover_every_batch_with_little_padding(max_num_seqs: int) -> None:
+    graphs = DecodeGraphs()
+    graphs.sizes = capture_sizes(max_num_seqs)  # as `capture` sets them
+    for n in range(1, max_num_seqs + 1):
+        padded = graphs.padded_size(n)
+        assert padded is not None and n <= padded <= max_num_seqs
+        assert padded - n < 8 and padded <= 2 * n  # padding rows are wasted work
+    assert graphs.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly
 
 
 def test_attention_backend_is_chosen_by_env(qwen3_dir: str, monkeypatch) -> None:

@@ -242,8 +242,10 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype, the full vocabulary
+        on every rank (the sampler reads 16-bit logits as they are: a float32 copy would
+        cost a pass)."""
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Copy HF-named checkpoint tensors (or safetensors slices) into this rank's params.
