@@ -11,7 +11,7 @@ import torch
 from minivllm.config import EngineArgs, ModelConfig
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend
-from minivllm.worker.layers.parallel_state import TPGroup
+from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.model_loader import load_model
 from minivllm.worker.models.llama_family import CausalLM
 

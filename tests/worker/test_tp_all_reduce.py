@@ -1,10 +1,9 @@
-"""The tensor-parallel all-reduce across 2 spawned ranks: over symmetric memory on 2 GPUs
-(torch.ops.symm_mem and the Triton one-shot kernel: sums equal NCCL's, eager, replayed in CUDA
-graphs and back to back; messages above the buffer go to NCCL), and over gloo on CPU, where
-every symmetric-memory setup declines without raising. The all-reduce fused with the add and
-RMSNorm is tested in test_fused_all_reduce_norm.py; the kernels' checks that need no GPU
-(compiled for Hopper, run through the Triton interpreter) in
-test_triton_all_reduce_kernels.py."""
+"""The tensor-parallel all-reduce across 2 spawned ranks: the Triton one-shot kernel over
+symmetric memory on 2 GPUs (sums equal NCCL's, eager, replayed in CUDA graphs and back to
+back; messages above the buffer go to NCCL), and gloo on CPU, where the Triton all-reduce
+declines without raising. The all-reduce fused with the add and RMSNorm is tested in
+test_fused_all_reduce_norm.py; the kernels' checks that need no GPU (compiled for Hopper, run
+through the Triton interpreter) in test_triton_all_reduce_kernels.py."""
 
 from __future__ import annotations
 
@@ -19,27 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minivllm.worker.layers import ops
-from minivllm.worker.layers.parallel_state import TPGroup
-from minivllm.worker.layers.symm_all_reduce import (
-    CHOICE_ENV,
-    CHOICES,
-    SymmMemAllReduce,
-    create_tp_all_reduce,
-)
-from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
+from minivllm.worker.distributed.parallel_state import TPGroup, _fast_all_reduce
+from minivllm.worker.distributed.triton_all_reduce import TritonAllReduce
+from minivllm.worker.ops.norm import rms_norm
 
 MAX_BYTES = 64 << 10
 EPS = 1e-6
-# (shape, dtype, whether the symmetric-memory path takes it)
-CASES = [
-    ((1, 4096), torch.bfloat16, True),
-    ((8, 4096), torch.bfloat16, True),  # exactly the buffer
-    ((3, 1024), torch.float32, True),
-    ((16, 4096), torch.bfloat16, False),  # twice the buffer: NCCL
-    ((3, 5), torch.bfloat16, False),  # 30 bytes, not 16-byte aligned: NCCL
-    ((2, 64), torch.float16, False),  # no symmetric-memory kernel for fp16: NCCL
-]
+SHAPES = [((1, 4096), torch.bfloat16), ((3, 1024), torch.float32), ((16, 4096), torch.bfloat16)]
 
 
 def _free_port() -> int:
@@ -49,19 +34,19 @@ def _free_port() -> int:
 
 
 def _input(rank: int, case: int, seed: int, device: torch.device) -> torch.Tensor:
-    shape, dtype, _ = CASES[case]
+    shape, dtype = SHAPES[case]
     gen = torch.Generator().manual_seed(1000 * seed + 10 * case + rank)
     return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
 def _expected(case: int, seed: int, device: torch.device) -> torch.Tensor:
     parts = [_input(rank, case, seed, device).float() for rank in range(2)]
-    return (parts[0] + parts[1]).to(CASES[case][1])
+    return (parts[0] + parts[1]).to(SHAPES[case][1])
 
 
 @contextlib.contextmanager
-def _nccl_group(rank: int, port: int, destroy: bool = True) -> Iterator[torch.device]:
-    """This rank's GPU in a 2-rank NCCL group, torn down after the block if `destroy`."""
+def _nccl_group(rank: int, port: int) -> Iterator[torch.device]:
+    """This rank's GPU in a 2-rank NCCL group, torn down after the block."""
     # no NVLink multicast anywhere (NCCL's NVLS, symmetric memory's multimem, NVSHMEM's
     # NVLS): where a host does not permit it, setting it up can hang or take the GPUs out of
     # service. Read when NCCL and symmetric memory start, so set before either.
@@ -75,53 +60,7 @@ def _nccl_group(rank: int, port: int, destroy: bool = True) -> Iterator[torch.de
     try:
         yield device
     finally:
-        if destroy:
-            dist.destroy_process_group()
-
-
-def _gpu_rank(rank: int, port: int) -> None:
-    import faulthandler
-
-    # where a rank is stuck, printed before the test's deadline kills it
-    faulthandler.dump_traceback_later(100, exit=True)
-    # torch's symmetric-memory all-reduce left `destroy_process_group` blocked at the end of
-    # this test on 2 x H200 (every check had passed); the rank exits instead, as the engine's
-    # workers do (Worker.shutdown)
-    with _nccl_group(rank, port, destroy=False) as device:
-        group = dist.group.WORLD
-        comms = []  # kept alive: the engine never frees its buffer either
-        for algorithm in ("one_shot", "two_shot"):
-            comm = SymmMemAllReduce(group, device, MAX_BYTES, algorithm)  # raises with a reason
-            comms.append(comm)
-            tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=comm)
-            for i, (_, _, takes) in enumerate(CASES):
-                x = _input(rank, i, 0, device)
-                assert comm.fits(x) == takes, (algorithm, CASES[i])
-                torch.testing.assert_close(tp.all_reduce(x), _expected(i, 0, device))
-            for i in (0, 2):  # the add + RMSNorm after the sum: all_reduce, then the norm
-                x, residual = _input(rank, i, 0, device), _input(0, i, 1, device)
-                weight = torch.ones(x.shape[-1], dtype=x.dtype, device=device)
-                want = ops.fused_add_rms_norm(_expected(i, 0, device), residual, weight, EPS)
-                got = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
-                for g, w in zip(got, want, strict=True):
-                    torch.testing.assert_close(g, w)
-
-            static = [_input(rank, i, 0, device) for i in range(len(CASES))]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = [tp.all_reduce(x) for x in static]
-            for seed in (1, 2):  # each replay sums what the inputs hold now
-                for i, x in enumerate(static):
-                    x.copy_(_input(rank, i, seed, device))
-                graph.replay()
-                for i, out in enumerate(outs):
-                    torch.testing.assert_close(out, _expected(i, seed, device))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_symm_all_reduce_sums_like_torch_eager_and_in_graphs() -> None:
-    _join_or_fail(mp.spawn(_gpu_rank, args=(_free_port(),), nprocs=2, join=False), 120)
+        dist.destroy_process_group()
 
 
 def _join_or_fail(ranks, timeout_s: float) -> None:
@@ -140,20 +79,16 @@ def _gloo_rank(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
     try:
         group = dist.group.WORLD
-        symm = SymmMemAllReduce.create(group, torch.device("cpu"), MAX_BYTES)
-        assert symm is None
-        assert TritonAllReduce.create(group, torch.device("cpu"), MAX_BYTES) is None
-        for choice in CHOICES:
-            assert create_tp_all_reduce(group, torch.device("cpu"), MAX_BYTES, choice) is None
-        tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=symm)
+        assert _fast_all_reduce(group, torch.device("cpu"), MAX_BYTES) is None
+        tp = TPGroup(rank=rank, size=2, group=group)
         cpu = torch.device("cpu")
-        for i in (0, 2, 3):
+        for i in range(len(SHAPES)):
             torch.testing.assert_close(tp.all_reduce(_input(rank, i, 0, cpu)), _expected(i, 0, cpu))
-        x, residual, weight = _input(rank, 2, 0, cpu), _input(0, 2, 1, cpu), _input(0, 2, 2, cpu)
-        s = _expected(2, 0, cpu) + residual
+        x, residual, weight = _input(rank, 1, 0, cpu), _input(0, 1, 1, cpu), _input(0, 1, 2, cpu)
+        s = _expected(1, 0, cpu) + residual
         normed, got = tp.all_reduce_add_rms_norm(x, residual, weight[0], EPS)
         torch.testing.assert_close(got, s)
-        torch.testing.assert_close(normed, ops.rms_norm(s, weight[0], EPS))
+        torch.testing.assert_close(normed, rms_norm(s, weight[0], EPS))
         gathered = tp.gather(torch.full((2, 2), float(rank)), dim=-1)
         assert gathered.tolist() == [[0.0, 0.0, 1.0, 1.0]] * 2
     finally:
@@ -162,12 +97,6 @@ def _gloo_rank(rank: int, port: int) -> None:
 
 def test_tp_group_over_gloo_declines_symmetric_memory_and_still_sums() -> None:
     mp.spawn(_gloo_rank, args=(_free_port(),), nprocs=2, join=True)
-
-
-def test_an_unknown_all_reduce_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CHOICE_ENV, "fast")
-    with pytest.raises(ValueError, match="triton"):
-        create_tp_all_reduce(None, torch.device("cpu"), MAX_BYTES)
 
 
 # The Triton one-shot path. Its buffer holds more 16 KiB slices than an H100 or H200 has SMs,
@@ -204,12 +133,11 @@ def _triton_rank(rank: int, port: int) -> None:
     with _nccl_group(rank, port) as device:
         group = dist.group.WORLD
         comm = TritonAllReduce(group, device, TRITON_MAX_BYTES)  # raises with a reason
-        chosen = create_tp_all_reduce(group, device, MAX_BYTES, "triton")
+        chosen = _fast_all_reduce(group, device, MAX_BYTES)
         assert isinstance(chosen, TritonAllReduce)  # kept alive: buffers are never freed
-        tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=comm)
+        tp = TPGroup(rank=rank, size=2, group=group, fast_all_reduce=comm)
 
-        # eager: copied in, and written straight into the buffer
-        for i, (shape, dtype, takes) in enumerate(TRITON_CASES):
+        for i, (_, _, takes) in enumerate(TRITON_CASES):
             x = _triton_input(rank, i, 0, device)
             assert comm.fits(x) == takes, TRITON_CASES[i]
             ref = _nccl_sum(x)
@@ -218,12 +146,8 @@ def _triton_rank(rank: int, port: int) -> None:
                 x_before = x.clone()
                 torch.testing.assert_close(comm.all_reduce(x), ref)
                 assert torch.equal(x, x_before)  # the input is left as it was
-                staged = comm.buffer_for(shape, dtype)
-                staged.copy_(x)
-                torch.testing.assert_close(comm.all_reduce(staged), ref)
-                assert torch.equal(staged, x)
 
-        # a CUDA graph of both paths, replayed over fresh inputs, with eager calls between
+        # a CUDA graph, replayed over fresh inputs, with eager calls between
         static = {i: _triton_input(rank, i, 0, device) for i in TAKEN}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -233,37 +157,26 @@ def _triton_rank(rank: int, port: int) -> None:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            copied = {i: comm.all_reduce(x) for i, x in static.items()}
-            in_place = {}
-            for i, x in static.items():
-                staged = comm.buffer_for(x.shape, x.dtype)
-                staged.copy_(x)
-                in_place[i] = comm.all_reduce(staged)
+            summed = {i: comm.all_reduce(x) for i, x in static.items()}
         for seed in (1, 2, 3):
             for i, x in static.items():
                 x.copy_(_triton_input(rank, i, seed, device))
             graph.replay()
             for i, x in static.items():
                 ref = _nccl_sum(x)
-                torch.testing.assert_close(copied[i], ref, msg=f"replay {seed}, case {i}")
-                torch.testing.assert_close(in_place[i], ref, msg=f"replay {seed}, case {i}")
+                torch.testing.assert_close(summed[i], ref, msg=f"replay {seed}, case {i}")
             between = _triton_input(rank, 2, seed, device)
             torch.testing.assert_close(comm.all_reduce(between), _nccl_sum(between))
 
-        # 100 calls back to back: sizes (so grids) and paths change from call to call, and
-        # rank 0 sometimes starts late, so either rank may be the one that waits
+        # 100 calls back to back: sizes (so grids) change from call to call, and rank 0
+        # sometimes starts late, so either rank may be the one that waits
         inputs, outputs = [], []
         for n in range(100):
             i = TAKEN[n % len(TAKEN)]
             x = _triton_input(rank, i, 10 + n, device)
             if rank == 0 and n % 7 == 0:
                 torch.cuda._sleep(20_000 * (1 + n % 5))
-            if n % 3 == 0:
-                staged = comm.buffer_for(x.shape, x.dtype)
-                staged.copy_(x)
-                outputs.append(comm.all_reduce(staged))
-            else:
-                outputs.append(comm.all_reduce(x))
+            outputs.append(comm.all_reduce(x))
             inputs.append(x)
         for n, (x, out) in enumerate(zip(inputs, outputs, strict=True)):
             torch.testing.assert_close(out, _nccl_sum(x), msg=f"back-to-back call {n}")
