@@ -288,3 +288,10 @@ def _save(args: argparse.Namespace, result: dict[str, Any], model: str, rate: fl
     with open(name, "w") as f:
         json.dump(result, f)
     print(f"Results written to {name}")
+
+
+def run(argv: list[str]) -> list[dict[str, Any]]:
+    """`minivllm bench serve ARGV` in this process; the result dict of each rate."""
+    parser = argparse.ArgumentParser(prog="minivllm bench")
+    add_parser(parser.add_subparsers())
+    return main(parser.parse_args(["serve", *argv]))

@@ -7,6 +7,9 @@ registry has); `generate_latest(logger.registry)` is the body of `/metrics`.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -14,8 +17,9 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
@@ -44,6 +48,40 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+class Histogram(Collector):
+    """A histogram with one label set, exported like prometheus-client's. Observing is a
+    bisect and two additions: the inter-token latency is observed for every token streamed,
+    and prometheus-client's histogram (a lock and a linear scan) costs four times as much.
+    Observed and scraped on the event loop's thread only."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric(list(self.labels.values()), buckets, self.sum)
+        yield family
+
+
 class PrometheusStatLogger:
     """Sets vLLM's gauges, counters and histograms from the collector's stats."""
 
@@ -60,8 +98,8 @@ class PrometheusStatLogger:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=registry).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(**labels)
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets, registry)
 
         self.running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."

@@ -91,6 +91,7 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     from minivllm.frontend.server.app import build_app
+    from minivllm.frontend.server.streaming import with_server_send
 
     logging.basicConfig(
         level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
@@ -106,7 +107,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"minivllm serve: cannot listen on {args.host}:{args.port}: {e}") from None
     state = build_state(args)
     config = uvicorn.Config(
-        build_app(state),
+        with_server_send(build_app(state)),
         loop="uvloop",
         http="httptools",
         log_level=args.uvicorn_log_level,

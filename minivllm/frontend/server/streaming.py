@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.exceptions import EngineDeadError
 from minivllm.frontend.server.errors import OpenAIError
@@ -53,12 +53,36 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+_SERVER_SEND = "minivllm.server_send"
+
+
+def with_server_send(app: ASGIApp) -> ASGIApp:
+    """`app`, with the ASGI server's own `send` kept in the scope for stream bodies."""
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[_SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return asgi
+
+
 class EventStreamResponse(StreamingResponse):
     """`text/event-stream` whose producer is cancelled as soon as the client disconnects."""
 
     media_type = "text/event-stream"
 
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        # Starlette wraps `send` twice, only to notice that the response started (above);
+        # each chunk skips those wrappers when the server's own `send` is known: they are
+        # two calls per token of every stream
+        body_send = self.server_send or send
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.server_send = scope.get(_SERVER_SEND)
         stream = asyncio.ensure_future(self.stream_response(send))
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
