@@ -149,6 +149,14 @@ def test_token_id_prompts(server, client: openai.OpenAI) -> None:
     )
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == len(ids) + 2
+    echoed = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, echo=True, user="someone"
+    )
+    assert echoed.choices[0].text == "Hello world" + by_text.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
 def test_errors(server, client: openai.OpenAI) -> None:

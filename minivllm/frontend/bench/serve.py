@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")])
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--num-warmups", type=int, default=0, help="short requests sent first, untimed")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent first, untimed")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -88,6 +88,16 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
         args.random_prefix_len,
     )
     return workload, args.temperature
+
+
+def warmups(workload: Workload, n: int) -> Workload:
+    """n requests of the workload's median prompt length (16 tokens out), other prompts
+    than the workload's, so the prefix cache gives the timed run nothing."""
+    from minivllm.frontend.bench.random_dataset import sample_random
+
+    length = int(np.median([len(p) for p in workload.prompts]))
+    max_id = max(max(p) for p in workload.prompts)
+    return sample_random(n, length, 16, max_token_id=max_id, seed=12345)
 
 
 async def _arrivals(n: int, rate: float, burstiness: float, seed: int):
@@ -236,11 +246,16 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         f"{workload.num_output_tokens} output tokens at most; model {model!r} at {base_url}"
     )
     if args.num_warmups:
-        from minivllm.frontend.bench.random_dataset import sample_random
-
-        max_id = max(max(p) for p in workload.prompts)
-        warm = sample_random(args.num_warmups, 32, 16, max_token_id=max_id, seed=12345)
-        uvloop.run(run_once(args, base_url + args.endpoint, model, warm, temperature, float("inf")))
+        uvloop.run(
+            run_once(
+                args,
+                base_url + args.endpoint,
+                model,
+                warmups(workload, args.num_warmups),
+                temperature,
+                float("inf"),
+            )
+        )
         print(f"Warmed up with {args.num_warmups} requests")
     runs = []
     for rate in args.request_rate:
