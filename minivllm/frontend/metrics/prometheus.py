@@ -124,27 +124,27 @@ class PrometheusStatLogger:
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        by_source = Counter(
+
+        def counters(name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Counter]:
+            """One counter per value of one more label."""
+            family = Counter(name, doc, [*names, label], registry=registry)
+            return {v: family.labels(**labels, **{label: v}) for v in values}
+
+        self.prompt_tokens_by_source = counters(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
-            [*names, "source"],
-            registry=registry,
+            "source",
+            PROMPT_TOKEN_SOURCES,
         )
-        self.prompt_tokens_by_source = {
-            s: by_source.labels(**labels, source=s) for s in PROMPT_TOKEN_SOURCES
-        }
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        success = Counter(
+        self.request_success = counters(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*names, "finished_reason"],
-            registry=registry,
+            "finished_reason",
+            FINISH_REASONS,
         )
-        self.request_success = {
-            r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS
-        }
         tokens = request_tokens_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens

@@ -4,7 +4,6 @@ deltas (a first chunk per choice carries the role) or returned whole."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -20,21 +19,13 @@ from minivllm.frontend.server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     StreamResponse,
-    UsageInfo,
 )
 from minivllm.frontend.server.sampling import chat_sampling_params
-from minivllm.frontend.server.streaming import (
-    EventStreamResponse,
-    cancel_on_disconnect,
-    merge,
-    stream_events,
-)
+from minivllm.frontend.server.streaming import StreamView, respond
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
     from minivllm.frontend.server.app import ServerState
-
-_OBJECT_CHUNK = "chat.completion.chunk"
 
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
@@ -47,16 +38,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request_id = state.request_id("chatcmpl")
     stream = state.engine.generate(prompt, params, request_id)
     view = _ChatView(request, params.n, len(prompt["prompt_token_ids"]), request_id, model)
-    if request.stream:
-        return EventStreamResponse(stream_events([stream], view))
-    final: list[RequestOutput] = []
-
-    async def run() -> None:
-        async for _, out in merge([stream]):
-            final.append(out)
-
-    await cancel_on_disconnect(raw, run())
-    return state.json(view.response(final[-1]))
+    return await respond(raw, [stream], view, request.stream, state.json)
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]], request: Any) -> dict[str, Any]:
@@ -113,8 +95,10 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": content}
 
 
-class _ChatView:
-    """Turns one chat request's `RequestOutput`s into a response body or stream chunks."""
+class _ChatView(StreamView):
+    """One chat request's `RequestOutput`s as a response body or stream chunks."""
+
+    object = "chat.completion.chunk"
 
     def __init__(
         self,
@@ -124,12 +108,9 @@ class _ChatView:
         request_id: str,
         model: str,
     ) -> None:
+        super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.request = request
         self.n = n
-        self.num_prompt_tokens = num_prompt_tokens
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
         self.num_top = (request.top_logprobs or 0) if request.logprobs else None
 
     def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
@@ -137,11 +118,8 @@ class _ChatView:
             return None
         return chat_logprobs(c.token_ids, c.logprobs, self.num_top)
 
-    def _usage(self, completion_tokens: int) -> UsageInfo:
-        p = self.num_prompt_tokens
-        return UsageInfo(p, p + completion_tokens, completion_tokens)
-
-    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+    def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
+        (out,) = finals
         choices = [
             ChatChoice(
                 index=c.index,
@@ -158,27 +136,20 @@ class _ChatView:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=self._usage(sum(len(c.token_ids) for c in out.outputs)),
+            usage=self.usage(sum(len(c.token_ids) for c in out.outputs)),
         )
         if self.request.return_token_ids:
             response.prompt_token_ids = out.prompt_token_ids
         return response
 
-    def _chunk(self, choices: list[ChatStreamChoice]) -> StreamResponse:
-        return StreamResponse(self.request_id, _OBJECT_CHUNK, self.created, self.model, choices)
-
     def first_chunks(self) -> list[StreamResponse]:
         """The role, once per choice, before any text (as OpenAI and vLLM send it)."""
-        options = self.request.stream_options
-        self.continuous = options is not None and options.continuous_usage_stats
-        self.num_tokens = 0
         role = DeltaMessage(role="assistant", content="")
-        return [self._chunk([ChatStreamChoice(i, role)]) for i in range(self.n)]
+        return [self.chunk([ChatStreamChoice(i, role)]) for i in range(self.n)]
 
     def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
         chunks = []
         for c in out.outputs:
-            self.num_tokens += len(c.token_ids)
             choice = ChatStreamChoice(
                 index=c.index,
                 delta=DeltaMessage(content=c.text),
@@ -187,16 +158,5 @@ class _ChatView:
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if self.request.return_token_ids else None,
             )
-            chunk = self._chunk([choice])
-            if self.continuous:
-                chunk.usage = self._usage(self.num_tokens)
-            chunks.append(chunk)
+            chunks.append(self.chunk([choice], len(c.token_ids)))
         return chunks
-
-    def last_chunks(self) -> list[StreamResponse]:
-        options = self.request.stream_options
-        if options is None or not options.include_usage:
-            return []
-        chunk = self._chunk([])
-        chunk.usage = self._usage(self.num_tokens)
-        return [chunk]

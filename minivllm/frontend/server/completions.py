@@ -4,7 +4,6 @@ SSE deltas or returned whole."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -17,15 +16,9 @@ from minivllm.frontend.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     StreamResponse,
-    UsageInfo,
 )
 from minivllm.frontend.server.sampling import completion_sampling_params
-from minivllm.frontend.server.streaming import (
-    EventStreamResponse,
-    cancel_on_disconnect,
-    merge,
-    stream_events,
-)
+from minivllm.frontend.server.streaming import StreamView, respond
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -53,16 +46,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         for i, (text, ids) in enumerate(prompts)
     ]
     view = _CompletionView(state, request, params, prompts, request_id, model)
-    if request.stream:
-        return EventStreamResponse(stream_events(streams, view))
-    finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
-
-    async def run() -> None:
-        async for i, out in merge(streams):
-            finals[i] = out
-
-    await cancel_on_disconnect(raw, run())
-    return state.json(view.response(finals))
+    return await respond(raw, streams, view, request.stream, state.json)
 
 
 def _prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
@@ -98,8 +82,10 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _CompletionView:
-    """Turns one request's `RequestOutput`s into response bodies or stream chunks."""
+class _CompletionView(StreamView):
+    """One completions request's `RequestOutput`s as a response body or stream chunks."""
+
+    object = "text_completion"
 
     def __init__(
         self,
@@ -110,14 +96,14 @@ class _CompletionView:
         request_id: str,
         model: str,
     ) -> None:
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.state = state
         self.request = request
         self.n = params.n
         self.num_top = request.logprobs
         self.prompts = prompts
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
+        self.text_len: dict[int, int] = {}  # text streamed so far, per choice
 
     def _prompt_text(self, i: int) -> str:
         text, ids = self.prompts[i]
@@ -166,19 +152,8 @@ class _CompletionView:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=self._usage(sum(len(c.token_ids) for o in finals for c in o.outputs)),
+            usage=self.usage(sum(len(c.token_ids) for o in finals for c in o.outputs)),
         )
-
-    def _usage(self, completion_tokens: int) -> UsageInfo:
-        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
-        return UsageInfo(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
-
-    def first_chunks(self) -> list[StreamResponse]:
-        options = self.request.stream_options
-        self.continuous = options is not None and options.continuous_usage_stats
-        self.text_len: dict[int, int] = {}  # text sent so far, per choice
-        self.num_tokens = 0
-        return []
 
     def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
         """A DELTA output -> one chunk per completion delta in it."""
@@ -188,20 +163,5 @@ class _CompletionView:
             offset = self.text_len.get(index)
             choice = self._choice(i, out, c, offset or 0, offset is None)
             self.text_len[index] = (offset or 0) + len(choice.text)
-            self.num_tokens += len(c.token_ids)
-            chunk = StreamResponse(
-                self.request_id, "text_completion", self.created, self.model, [choice]
-            )
-            if self.continuous:
-                chunk.usage = self._usage(self.num_tokens)
-            chunks.append(chunk)
+            chunks.append(self.chunk([choice], len(c.token_ids)))
         return chunks
-
-    def last_chunks(self) -> list[StreamResponse]:
-        options = self.request.stream_options
-        if options is None or not options.include_usage:
-            return []
-        usage = self._usage(self.num_tokens)
-        return [
-            StreamResponse(self.request_id, "text_completion", self.created, self.model, [], usage)
-        ]

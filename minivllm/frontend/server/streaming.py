@@ -11,17 +11,19 @@ the ASGI `http.disconnect` message and cancel it; cancelling the consumer of
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.exceptions import EngineDeadError
 from minivllm.frontend.server.errors import OpenAIError
+from minivllm.frontend.server.protocol import StreamOptions, StreamResponse, UsageInfo
 
 T = TypeVar("T")
 
@@ -39,16 +41,24 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise CancelledError."""
+async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> asyncio.Future[T]:
+    """Run `work` to its end, or until the client disconnects (then cancel it); its task."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise CancelledError."""
+    task = await _until_disconnect(request.receive, work)
+    if task.cancelled():
         raise asyncio.CancelledError("the client disconnected")
     return task.result()
 
@@ -83,15 +93,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.server_send = scope.get(_SERVER_SEND)
-        stream = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not stream.done():
-                stream.cancel()
-                await asyncio.gather(stream, return_exceptions=True)
+        stream = await _until_disconnect(receive, self.stream_response(send))
         error = None if stream.cancelled() else stream.exception()
         if error is not None and not isinstance(error, OSError):  # OSError: the client left
             raise error
@@ -133,14 +135,70 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class StreamView(Protocol):
-    """How one endpoint turns a request's DELTA outputs into stream chunks."""
+class StreamView:
+    """One request's outputs as an endpoint answers them: `response` (whole) or chunks.
 
-    def first_chunks(self) -> list[Any]: ...
+    Subclasses make `response(finals)`, `chunks(i, output)` and, if they open a stream with
+    something, `first_chunks()`. Usage goes in every chunk with `continuous_usage_stats`,
+    and in a last chunk without choices with `include_usage`.
+    """
 
-    def chunks(self, i: int, output: Any) -> list[Any]: ...
+    object = ""  # the "object" of a stream chunk
 
-    def last_chunks(self) -> list[Any]: ...
+    def __init__(
+        self, request_id: str, model: str, num_prompt_tokens: int, options: StreamOptions | None
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.options = options
+        self.continuous = options is not None and options.continuous_usage_stats
+        self.num_tokens = 0  # generated so far, all choices
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        p = self.num_prompt_tokens
+        return UsageInfo(p, p + completion_tokens, completion_tokens)
+
+    def chunk(self, choices: list[Any], num_new_tokens: int = 0) -> StreamResponse:
+        self.num_tokens += num_new_tokens
+        chunk = StreamResponse(self.request_id, self.object, self.created, self.model, choices)
+        if self.continuous:
+            chunk.usage = self.usage(self.num_tokens)
+        return chunk
+
+    def first_chunks(self) -> list[StreamResponse]:
+        return []
+
+    def chunks(self, i: int, output: Any) -> list[StreamResponse]:
+        raise NotImplementedError
+
+    def last_chunks(self) -> list[StreamResponse]:
+        if self.options is None or not self.options.include_usage:
+            return []
+        usage = self.usage(self.num_tokens)
+        return [StreamResponse(self.request_id, self.object, self.created, self.model, [], usage)]
+
+
+async def respond(
+    raw: Request,
+    streams: list[AsyncIterator[Any]],
+    view: StreamView,
+    stream: bool,
+    encode_json: Callable[[Any], Response],
+) -> Response:
+    """The response to one request: an event stream of the view's chunks, or the view's
+    response body once every stream has ended (FINAL_ONLY outputs: one per stream)."""
+    if stream:
+        return EventStreamResponse(stream_events(streams, view))
+    finals: list[Any] = [None] * len(streams)
+
+    async def run() -> None:
+        async for i, out in merge(streams):
+            finals[i] = out
+
+    await cancel_on_disconnect(raw, run())
+    return encode_json(view.response(finals))
 
 
 async def stream_events(
