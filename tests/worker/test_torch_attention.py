@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker.attention.layer import PagedAttention, forward_batch
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend
 from tests.attention_step import attend
@@ -118,3 +120,19 @@ def test_bf16_cache_and_inputs() -> None:
     assert out.dtype == torch.bfloat16
     expected = dense_attention(q.float(), k.float(), v.float())
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_reads_the_one_forward_batch_in_scope() -> None:
+    gen = torch.Generator().manual_seed(4)
+    meta = make_meta([[0, 1]], [0], [6])
+    q, k, v = rand(6, NUM_HEADS, gen), rand(6, NUM_KV_HEADS, gen), rand(6, NUM_KV_HEADS, gen)
+    layer = PagedAttention(0, TorchAttentionBackend(), SCALE)
+    with pytest.raises(RuntimeError, match="outside a forward batch"):
+        layer(q, k, v)
+    kv_cache = torch.zeros(2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    with forward_batch(meta, [kv_cache]):
+        with pytest.raises(RuntimeError, match="do not nest"), forward_batch(meta, [kv_cache]):
+            pass
+        torch.testing.assert_close(layer(q, k, v), dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside a forward batch"):  # the scope has ended
+        layer(q, k, v)
