@@ -104,13 +104,19 @@ class ServerState:
                 param=param,
             )
 
-    def check_max_tokens(self, max_tokens: int | None) -> None:
+    def check_params(self, params: SamplingParams) -> None:
+        """What the engine would refuse, refused before a stream starts (as a 400)."""
+        max_tokens = params.max_tokens
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise OpenAIError(
                 f"max_tokens={max_tokens} cannot be greater than max_model_len="
                 f"{self.max_model_len}. Please request fewer output tokens.",
                 param="max_tokens",
             )
+        try:
+            self.engine.input_processor.validate_params(params)
+        except ValueError as e:
+            raise from_value_error(e, _PARAM_NAMES) from None
 
     # ---------------------------------------------------------------- helpers
 

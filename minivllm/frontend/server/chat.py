@@ -34,7 +34,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     prompt = render_chat(state, request.messages, request)
     state.check_prompt(prompt["prompt_token_ids"], "messages")
     params = chat_sampling_params(request, request.stream)
-    state.check_max_tokens(params.max_tokens)
+    state.check_params(params)
     request_id = state.request_id("chatcmpl")
     stream = state.engine.generate(prompt, params, request_id)
     view = _ChatView(request, params.n, len(prompt["prompt_token_ids"]), request_id, model)

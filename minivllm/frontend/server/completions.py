@@ -37,7 +37,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
     prompts = _prompts(state, request)
     params = completion_sampling_params(request, request.stream)
-    state.check_max_tokens(params.max_tokens)
+    state.check_params(params)
     request_id = state.request_id("cmpl")
     streams = [
         state.engine.generate(

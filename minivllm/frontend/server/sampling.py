@@ -1,10 +1,5 @@
-"""Request fields -> `SamplingParams`, with vLLM's names.
-
-A field reaches SamplingParams only when the client sent it, so SamplingParams' defaults
-stay the defaults. A field SamplingParams does not have is accepted only at its neutral
-value (a penalty of 0, an empty logit_bias, ...); anything else is a 400 naming it, never
-silently ignored.
-"""
+"""Request fields -> `SamplingParams`, with vLLM's names. A field reaches SamplingParams
+only when the client sent it, so SamplingParams' defaults stay the defaults."""
 
 from __future__ import annotations
 
@@ -18,21 +13,8 @@ from minivllm.frontend.server.protocol import (
 )
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-_SUPPORTED = frozenset(SamplingParams.__struct_fields__)
-# fields that mean "off" at these values, so a server without them may accept them
-_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": {},
-    "allowed_token_ids": None,
-    "bad_words": [],
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "min_tokens": 0,
-}
-# passed on when sent (not None) and different from the request's own default
+_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# passed on when sent (not None)
 _OPTIONAL = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty")
 _OPTIONAL += ("frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words")
 _OPTIONAL += ("stop_token_ids", "prompt_logprobs")
@@ -41,7 +23,6 @@ _OPTIONAL += ("stop_token_ids", "prompt_logprobs")
 def completion_sampling_params(request: CompletionRequest, stream: bool) -> SamplingParams:
     """SamplingParams for /v1/completions; `logprobs` is the number of top tokens."""
     values = _common(request)
-    _check_logprobs("logprobs", request.logprobs)
     values["logprobs"] = request.logprobs
     if request.echo and request.logprobs is not None:
         values["prompt_logprobs"] = request.logprobs  # echoed prompt tokens get theirs too
@@ -59,7 +40,6 @@ def chat_sampling_params(request: ChatCompletionRequest, stream: bool) -> Sampli
             param="top_logprobs",
         )
     if request.logprobs:
-        _check_logprobs("top_logprobs", request.top_logprobs)
         values["logprobs"] = request.top_logprobs or 0
     max_tokens = request.max_completion_tokens
     values["max_tokens"] = max_tokens if max_tokens is not None else request.max_tokens
@@ -96,22 +76,9 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def _check_logprobs(name: str, value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise OpenAIError(
-            f"{name}: requested {value} logprobs; the most allowed is {MAX_LOGPROBS}",
-            param=name,
-        )
-
-
 def _build(values: dict[str, Any], stream: bool) -> SamplingParams:
-    for name in [n for n in values if n not in _SUPPORTED]:
-        value = values.pop(name)
-        if name in _NEUTRAL and value == _NEUTRAL[name]:
-            continue
-        raise OpenAIError(f"{name} is not supported by this server", param=name)
     values["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**values)
     except ValueError as e:
-        raise from_value_error(e, _SUPPORTED) from None
+        raise from_value_error(e, _FIELDS) from None
