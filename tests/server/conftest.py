@@ -11,6 +11,14 @@ import pytest
 
 from minivllm.frontend.server.launch import ServerProcess
 
+# the server most tests share: the tiny Qwen3, two names, its own chat template, and the
+# stats log line every second
+MODEL = "tiny-qwen"
+ALIAS = "alias"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,3 +57,17 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     yield start
     for server in started:
         stop_cleanly(server)
+
+
+@pytest.fixture(scope="session")
+def api_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the modules that only talk to it (its start-up is most of their time)."""
+    root = tmp_path_factory.mktemp("api-server")
+    template = root / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    args = [qwen3_dir, "--dtype", "float32", "--served-model-name", MODEL, ALIAS]
+    args += ["--chat-template", str(template)]
+    env = server_env(MINIVLLM_LOG_STATS_INTERVAL="1")
+    server = ServerProcess(args, str(root / "server.log"), env, startup_timeout=120)
+    yield server
+    stop_cleanly(server)

@@ -14,19 +14,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import server_env
-
-MODEL = "tiny-qwen"
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+from tests.server.conftest import ALIAS, MODEL
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, qwen3_dir: str, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    args = [qwen3_dir, "--dtype", "float32", "--served-model-name", MODEL, "alias"]
-    args += ["--chat-template", str(template)]
-    return server_factory(args, server_env(MINIVLLM_LOG_STATS_INTERVAL="1"))
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +73,10 @@ def test_completions_streamed_equals_plain(client: openai.OpenAI) -> None:
 
 def test_chat_streamed_equals_plain_with_the_servers_template(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Hello"}]
-    kwargs = dict(model="alias", messages=messages, max_completion_tokens=10, temperature=0)
+    kwargs = dict(model=ALIAS, messages=messages, max_completion_tokens=10, temperature=0)
     plain = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
     assert plain.choices[0].message.role == "assistant"
-    assert plain.model == "alias" and plain.usage.completion_tokens == 10
+    assert plain.model == ALIAS and plain.usage.completion_tokens == 10
     chunks = list(
         client.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
     )
@@ -195,7 +188,7 @@ def test_errors(server, client: openai.OpenAI) -> None:
 
 
 def test_models_and_version(server, client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
