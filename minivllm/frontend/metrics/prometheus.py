@@ -130,6 +130,32 @@ class PrometheusStatLogger:
             family = Counter(name, doc, [*names, label], registry=registry)
             return {v: family.labels(**labels, **{label: v}) for v in values}
 
+        def gauges(name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Gauge]:
+            family = Gauge(name, doc, [*names, label], registry=registry)
+            return {v: family.labels(**labels, **{label: v}) for v in values}
+
+        # every waiting request waits for capacity (nothing here defers one), the prefix
+        # cache is on the device, and the engine never sleeps: vLLM's breakdowns, constant
+        self.waiting_by_reason = gauges(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason.",
+            "reason",
+            ("capacity", "deferred"),
+        )
+        self.prompt_tokens_cached_by_source = counters(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            "source",
+            ("device",),
+        )
+        sleep_state = gauges(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 1 means the engine is awake.",
+            "sleep_state",
+            ("awake", "weights_offloaded", "discard_all"),
+        )
+        sleep_state["awake"].set(1)
+
         self.prompt_tokens_by_source = counters(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
@@ -227,6 +253,7 @@ class PrometheusStatLogger:
         if scheduler is not None:
             self.running.set(scheduler.num_running)
             self.waiting.set(scheduler.num_waiting)
+            self.waiting_by_reason["capacity"].set(scheduler.num_waiting)
             self.kv_cache_usage.set(scheduler.kv_cache_usage)
             self.prefix_cache_queries.inc(scheduler.new_prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler.new_prefix_cache_hits)
@@ -239,6 +266,7 @@ class PrometheusStatLogger:
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
             self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
+            self.prompt_tokens_cached_by_source["device"].inc(it.num_cached_prompt_tokens)
             self.prompt_tokens_by_source["local_compute"].inc(computed)
             self.prompt_tokens_by_source["local_cache_hit"].inc(it.num_cached_prompt_tokens)
         if it.num_generation_tokens:
