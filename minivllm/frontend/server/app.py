@@ -225,8 +225,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        if state.metrics is None:
-            raise OpenAIError("metrics are off (--disable-log-stats)", HTTPStatus.NOT_FOUND)
+        if state.metrics is None:  # --disable-log-stats: the process's own metrics only
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
         await _refresh_scheduler_stats(state)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
