@@ -14,6 +14,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # decode batches sharing a cached prefix attend it once per step unless this is set
     disable_cascade_attn: bool = False
+    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask; -1: the vocabulary
+    logprobs_mode: str = "raw_logprobs"  # what logprobs hold: one of LOGPROBS_MODES
 
     @property
     def architecture(self) -> str:
@@ -155,6 +158,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     async_scheduling: bool = True
     distributed_executor_backend: str = "mp"
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -180,6 +185,12 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {_EXECUTORS}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -246,6 +257,8 @@ class EngineArgs:
             eos_token_ids=_eos_ids(self.model, hf_config),
             skip_tokenizer_init=self.skip_tokenizer_init,
             disable_cascade_attn=self.disable_cascade_attn,
+            max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:

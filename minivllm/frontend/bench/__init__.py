@@ -6,13 +6,14 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="throughput, latency and engine-overhead benchmarks")
+    p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     from minivllm.frontend.bench import (
         kernels,
         kv_accuracy,
         latency,
         overhead,
+        serve,
         step,
         throughput,
         trace,
@@ -20,6 +21,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
     overhead.add_parser(bench_sub)
     kv_accuracy.add_parser(bench_sub)
     step.add_parser(bench_sub)
