@@ -9,6 +9,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     from minivllm.frontend.bench import (
+        allreduce,
         kernels,
         kv_accuracy,
         latency,
@@ -16,6 +17,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         serve,
         step,
         throughput,
+        tp_equality,
         trace,
     )
 
@@ -27,3 +29,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     trace.add_parser(bench_sub)
+    tp_equality.add_parser(bench_sub)
+    allreduce.add_parser(bench_sub)
