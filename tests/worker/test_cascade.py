@@ -19,33 +19,33 @@ def test_cost_rule() -> None:
     assert not use_cascade(1, 4096)  # nothing is read twice
 
 
-def generate(model: str, disable_cascade_attn: bool) -> tuple[dict[str, list[int]], list[int]]:
-    """Greedy tokens of requests that share a 49-token prompt prefix (three blocks of 16),
-    after the first has cached it; and the cascade prefix length of every step."""
-    from minivllm.config import EngineArgs
+def shared_prefix_run(
+    engine_args,
+    prompts: list[list[int]],
+    max_tokens: int,  # noqa: ANN001 - EngineArgs
+) -> tuple[list[list[int]], list[int], int]:
+    """Greedy tokens of prompts[1:], run together after prompts[0] has cached the prefix they
+    share; the cascade prefix length the runner chose at every step; and how many steps
+    replayed a cascade CUDA graph."""
     from minivllm.engine_core.engine_core import EngineCore
     from minivllm.protocol.messages import EngineCoreRequest
     from minivllm.protocol.sampling_params import SamplingParams
 
-    args = EngineArgs(
-        model=model,
-        distributed_executor_backend="uni",
-        dtype="float32",
-        disable_cascade_attn=disable_cascade_attn,
-    )
-    core = EngineCore(args.create_engine_config())
+    core = EngineCore(engine_args.create_engine_config())
     runner = core.executor.worker.model_runner
-    prefix_lens: list[int] = []
-    decide = runner._cascade_prefix_len
+    chosen: list[int] = []
+    decide, replay, replays = runner._cascade_prefix_len, runner.cascade_graphs.replay, []
 
     def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
-        prefix_lens.append(decide(so, computed, mixed))
-        return prefix_lens[-1]
+        chosen.append(decide(so, computed, mixed))
+        return chosen[-1]
 
-    runner._cascade_prefix_len = spy
-    prefix = list(range(1, 50))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    prompts = [prefix + [60]] + [prefix + [60 + i] * i for i in range(1, 4)]
+    def count(size):  # noqa: ANN001, ANN202
+        replays.append(size)
+        return replay(size)
+
+    runner._cascade_prefix_len, runner.cascade_graphs.replay = spy, count
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     got: dict[str, list[int]] = {}
     try:
         for i, prompt in enumerate(prompts):
@@ -58,21 +58,34 @@ def generate(model: str, disable_cascade_attn: bool) -> tuple[dict[str, list[int
                     got.setdefault(o.request_id, []).extend(o.new_token_ids)
     finally:
         core.shutdown()
-    return got, prefix_lens
+    return [got[str(i)] for i in range(1, len(prompts))], chosen, len(replays)
 
 
 def check_tokens_equal_with_cascade_on_and_off() -> None:
     import tempfile
 
+    from minivllm.config import EngineArgs
     from minivllm.worker.attention import cascade
     from tests.tiny_models import build_checkpoint
 
     # the tiny model's batches are far below the real thresholds
     cascade.MIN_PREFIX_TOKENS = cascade.MIN_SAVED_TOKENS = 32
     model = build_checkpoint(tempfile.mkdtemp(), "qwen3")
-    on, used = generate(model, disable_cascade_attn=False)
-    off, unused = generate(model, disable_cascade_attn=True)
-    assert on == off and len(on) == 3 and all(len(t) == 4 for t in on.values()), (on, off)
+    prefix = list(range(1, 50))  # three whole blocks of 16 and one token
+    prompts = [prefix + [60]] + [prefix + [60 + i] * i for i in range(1, 4)]
+    runs = [
+        shared_prefix_run(
+            EngineArgs(
+                model=model, distributed_executor_backend="uni", dtype="float32",
+                disable_cascade_attn=disable,
+            ),
+            prompts,
+            max_tokens=4,
+        )
+        for disable in (False, True)
+    ]  # fmt: skip
+    (on, used, _), (off, unused, _) = runs
+    assert on == off and len(on) == 3 and all(len(t) == 4 for t in on), (on, off)
     assert 48 in used and set(used) <= {0, 48}, used  # three whole blocks, read once a step
     assert set(unused) == {0}
 

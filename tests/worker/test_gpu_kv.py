@@ -11,6 +11,7 @@ import pytest
 from minivllm.config import EngineArgs
 from minivllm.protocol.sampling_params import SamplingParams
 from tests.tiny_models import VOCAB_SIZE, build_checkpoint
+from tests.worker.test_cascade import shared_prefix_run
 from tests.worker.test_gpu_runner import generate, prompts
 
 pytestmark = pytest.mark.gpu
@@ -70,50 +71,16 @@ def test_fp8_logits_stay_close_to_bf16_kv(small_dir: str, monkeypatch) -> None:
 
 
 def _shared_prefix_tokens(model: str, dtype: str, kv: str, disable: bool) -> tuple[list, list, int]:
-    """Greedy tokens of 40 requests sharing a 600-token prefix (the first caches it), the
-    cascade prefix length the runner chose at every step, and the cascade graph replays."""
-    from minivllm.engine_core.engine_core import EngineCore
-    from minivllm.protocol.messages import EngineCoreRequest
-
+    """40 requests sharing a 600-token prefix, 24 greedy tokens (`shared_prefix_run`)."""
     args = EngineArgs(
         model=model, device="cuda", dtype=dtype, max_model_len=1024, kv_cache_dtype=kv,
         kv_cache_memory_bytes=1 << 30, distributed_executor_backend="uni",
         disable_cascade_attn=disable,
     )  # fmt: skip
-    core = EngineCore(args.create_engine_config())
-    runner = core.executor.worker.model_runner
-    chosen: list[int] = []
-    decide = runner._cascade_prefix_len
-
-    def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
-        chosen.append(decide(so, computed, mixed))
-        return chosen[-1]
-
-    runner._cascade_prefix_len = spy
-    replays = []
-    replay = runner.cascade_graphs.replay
-
-    def count(size):  # noqa: ANN001, ANN202
-        replays.append(size)
-        return replay(size)
-
-    runner.cascade_graphs.replay = count
     rng = random.Random(5)
     prefix = [rng.randint(1, VOCAB_SIZE - 1) for _ in range(600)]
     ps = [prefix + [rng.randint(1, VOCAB_SIZE - 1) for _ in range(n)] for n in range(1, 41)]
-    got: dict[str, list[int]] = {}
-    try:
-        for i, p in enumerate(ps):
-            core.add_request(EngineCoreRequest(str(i), p, GREEDY))
-            while i == 0 and core.has_work():
-                core.step()
-        while core.has_work():
-            for outs in core.step().values():
-                for o in outs.outputs:
-                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    finally:
-        core.shutdown()
-    return [got[str(i)] for i in range(1, len(ps))], chosen, len(replays)
+    return shared_prefix_run(args, ps, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])

@@ -17,6 +17,7 @@ rule that decides per step.
 
 from __future__ import annotations
 
+from minivllm.worker.attention.tiles import attend_tile, store_part
 from minivllm.worker.ops._triton import tl, triton, wait_for_producers
 from minivllm.worker.ops.kv_cache import load_kv_scales
 
@@ -39,19 +40,6 @@ def num_prefix_splits(num_tiles: int, num_kv_heads: int, min_programs: int = 256
     work = num_tiles * num_kv_heads
     wanted = max(1, min(16, -(-min_programs // work)))
     return 1 << (wanted.bit_length() - 1)
-
-
-@triton.jit
-def store_part(
-    part_out_ptr, part_lse_ptr, seq, heads, part, out, lse, mask,
-    NUM_HEADS: tl.constexpr, NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """One partial softmax (normalized output, log2-sum-exp) of rows (seq, heads) over one
-    key range; scratch layout [num_decodes, NUM_HEADS, NUM_PARTS, (HEAD_DIM)], contiguous."""
-    row = (seq * NUM_HEADS + heads) * NUM_PARTS + part
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -99,16 +87,10 @@ def _cascade_prefix_kernel(
         block = tl.load(block_table_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, cache_head, kv_off, n_mask, n_mask[None, :], m_i, l_i, acc, qk_scale,
+            stride_c_kv, DOT, PRECISION,
+        )  # fmt: skip
 
     has_keys = valid & (l_i > 0)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

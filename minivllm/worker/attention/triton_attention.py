@@ -32,12 +32,9 @@ import math
 
 import torch
 
-from minivllm.worker.attention.cascade import (
-    _cascade_prefix_kernel,
-    num_prefix_splits,
-    store_part,
-)
+from minivllm.worker.attention.cascade import _cascade_prefix_kernel, num_prefix_splits
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.tiles import attend_tile, store_part
 from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
 from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, store_kv_cache
 
@@ -97,16 +94,10 @@ def _decode_kernel(
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, cache_head, kv_off, n_mask, n_mask[None, :], m_i, l_i, acc, qk_scale,
+            stride_c_kv, DOT, PRECISION,
+        )  # fmt: skip
 
     has_keys = l_i > 0  # false for an empty split or a padded row (seq_len 0)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -195,18 +186,12 @@ def _prefill_kernel(
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # every row sees key 0, so the row max is finite after the first tile
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, cache_head, kv_off, n_mask, visible, m_i, l_i, acc, qk_scale, stride_c_kv,
+            DOT, PRECISION,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     if FP8:
