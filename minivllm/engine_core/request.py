@@ -22,10 +22,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return FINISH_REASONS.get(self)
-
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -71,7 +67,7 @@ class Request:
             set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         )
         self.stop_token_ids: set[int] = set(sampling_params.stop_token_ids or ())
-        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # either: check the rules
+        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # either ends it
         # tokens (prompt + output) at which it ends by length; the scheduler sets it
         self.max_num_tokens = len(self.prompt_token_ids) + (
             sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62

@@ -137,6 +137,7 @@ class RequestState:
         text = ""
         if self.detokenizer is not None:
             text = self.detokenizer.get_next_output_text(finished, delta)
+        # positional: a dataclass takes keywords at twice the cost, and this runs per token
         return CompletionOutput(
             self.index,
             text,
@@ -242,10 +243,8 @@ class OutputProcessor:
         """Turn one step's engine-core outputs into user-facing `RequestOutput`s: put into
         the request's queue if it has one, else returned."""
         result = ProcessedOutputs()
-        request_outputs = result.request_outputs
-        states = self.request_states
         for out in outputs:
-            state = states.get(out.request_id)
+            state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # ended here already (stop string, abort); the core's late news
             if out.num_cached_tokens:
@@ -264,23 +263,13 @@ class OutputProcessor:
                 self._forget(state)
             if completion is None:
                 continue
-            if state.parent is None:
-                request_output = RequestOutput(
-                    state.user_request_id,
-                    state.prompt_text,
-                    state.prompt_token_ids,
-                    [completion],
-                    finish_reason is not None,
-                    state.num_cached_tokens,
-                )
-            else:
-                request_output = self._request_output(state, completion)
-                if request_output is None:
-                    continue
+            request_output = self._request_output(state, completion)
+            if request_output is None:
+                continue
             if state.queue is not None:
                 state.queue.put(request_output)
             else:
-                request_outputs.append(request_output)
+                result.request_outputs.append(request_output)
         return result
 
     def abort_requests(self, internal_ids: list[str]) -> list[RequestOutput]:
@@ -349,22 +338,24 @@ class OutputProcessor:
     def _request_output(
         self, state: RequestState, completion: CompletionOutput
     ) -> RequestOutput | None:
-        if state.parent is None:
+        """The user's request after this completion; None while n > 1 siblings are due."""
+        parent = state.parent
+        if parent is None:
             return self._make_request_output(state, [completion], completion.finished())
-        completions = state.parent.add_child_output(completion)
+        completions = parent.add_child_output(completion)
         if completions is None:
             return None
-        return self._make_request_output(state, completions, state.parent.finished)
+        return self._make_request_output(state, completions, parent.finished)
 
     @staticmethod
     def _make_request_output(
         state: RequestState, completions: list[CompletionOutput], finished: bool
     ) -> RequestOutput:
         return RequestOutput(
-            request_id=state.user_request_id,
-            prompt=state.prompt_text,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
+            state.user_request_id,
+            state.prompt_text,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            state.num_cached_tokens,
         )
