@@ -1,19 +1,17 @@
-"""All-reduce latency on 2 GPUs: NCCL against the symmetric-memory one-shot and two-shot
-paths (minivllm.worker.layers.symm_all_reduce) and the Triton one-shot kernel
-(minivllm.worker.layers.triton_all_reduce), each eager and replayed in a CUDA graph.
+"""All-reduce latency on 2 GPUs: NCCL against the Triton one-shot kernel over symmetric
+memory (minivllm.worker.distributed.triton_all_reduce), each eager and replayed in a CUDA
+graph.
 
     python benchmarks/allreduce_gpu.py
 
 bf16 messages from 16 KiB to 8 MiB (a TP=2 decode step of 256 sequences at hidden 4096
-all-reduces 2 MiB). The Triton kernel runs twice: "triton" copies the input into its buffer,
-"triton-ip" sums a message its producer wrote straight into the buffer (`buffer_for`). Each
-path's result is checked against the NCCL sum, eager and after a graph replay. Prints µs per
-all-reduce, one row per size; a cell is marked BAD (wrong sum) or reads ERR (it raised; the
-errors are printed below the table).
+all-reduces 2 MiB). Each path's result is checked against the NCCL sum, eager and after a
+graph replay. Prints µs per all-reduce, one row per size; a cell is marked BAD (wrong sum) or
+reads ERR (it raised; the errors are printed below the table).
 
 A second table times what a decoder does after a row-parallel layer, for bf16 [rows, 4096]
 with a residual (rows 1, 64, 256: decode steps of that many sequences), inside a CUDA graph:
-the Triton all-reduce then ops.fused_add_rms_norm (two launches) against
+the Triton all-reduce then ops.norm.fused_add_rms_norm (two launches) against
 TritonAllReduce.all_reduce_add_rms_norm (one), and checks that the two give the same bits,
 eager and after the replays. The whole run is killed after TIMEOUT_S.
 """
@@ -37,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 SIZES = [16 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
-METHODS = ("nccl", "one_shot", "two_shot", "triton", "triton_ip")
+METHODS = ("nccl", "triton")
 EAGER_REPS, GRAPH_OPS, GRAPH_REPS = 200, 50, 10
 NORM_ROWS, HIDDEN, EPS = (1, 64, 256), 4096, 1e-6
 PAIRS_PER_STEP = 73  # all-reduce + norm pairs in a Qwen3-8B decode step (36 layers)
@@ -90,7 +88,7 @@ def same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 def measure_norm(comm, rows: int, rank: int, device: torch.device) -> list[str]:
     """[2-launch µs, 1-launch µs, saved µs, saved per step µs, bit-equal] for the all-reduce
     + add + RMSNorm of bf16 [rows, HIDDEN], each timed in a CUDA graph."""
-    from minivllm.worker.layers.ops import fused_add_rms_norm
+    from minivllm.worker.ops.norm import fused_add_rms_norm
 
     gen = torch.Generator(device=device).manual_seed(1000 * rank + rows)
     x = torch.randn(rows, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
@@ -121,12 +119,11 @@ def measure_norm(comm, rows: int, rank: int, device: torch.device) -> list[str]:
     ]
 
 
-def measure(name: str, op, stage, data: torch.Tensor, ref: torch.Tensor) -> list[str]:
-    """[eager µs, graph µs] as printed cells; " BAD" marks a wrong sum. stage(t) returns
-    the tensor op is given, holding t's values (t itself, or a view of the op's buffer)."""
+def measure(name: str, op, data: torch.Tensor, ref: torch.Tensor) -> list[str]:
+    """[eager µs, graph µs] as printed cells; " BAD" marks a wrong sum."""
     cells = []
-    ok = close(op(stage(data.clone())), ref)
-    x = stage(torch.zeros_like(data))  # NCCL sums in place: zeros stay finite over calls
+    ok = close(op(data.clone()), ref)
+    x = torch.zeros_like(data)  # NCCL sums in place: zeros stay finite over calls
     for _ in range(10):
         op(x)
     us = time_us(lambda: [op(x) for _ in range(EAGER_REPS)], EAGER_REPS)
@@ -149,8 +146,7 @@ def run(rank: int, port: int) -> None:
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device
     )
-    from minivllm.worker.layers.symm_all_reduce import SymmMemAllReduce
-    from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
+    from minivllm.worker.distributed.triton_all_reduce import TritonAllReduce
 
     group = dist.group.WORLD
 
@@ -158,26 +154,13 @@ def run(rank: int, port: int) -> None:
         dist.all_reduce(x, group=group)
         return x
 
-    def itself(x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    # name -> (op, stage); the communicators are kept alive to the end
-    ops, comms, errors = {"nccl": (nccl, itself)}, [], []
-    triton_comm = None
-    for algorithm in ("one_shot", "two_shot", "triton"):
-        try:
-            if algorithm == "triton":
-                comm = triton_comm = TritonAllReduce(group, device, max(SIZES))
-                ops["triton_ip"] = (
-                    comm.all_reduce,
-                    lambda t, comm=comm: comm.buffer_for(t.shape, t.dtype).copy_(t),
-                )
-            else:
-                comm = SymmMemAllReduce(group, device, max(SIZES), algorithm)
-            comms.append(comm)
-            ops[algorithm] = (comm.all_reduce, itself)
-        except Exception as e:
-            errors.append(f"{algorithm} setup: {type(e).__name__}: {e}")
+    ops, errors = {"nccl": nccl}, []  # name -> op
+    triton_comm = None  # kept alive to the end
+    try:
+        triton_comm = TritonAllReduce(group, device, max(SIZES))
+        ops["triton"] = triton_comm.all_reduce
+    except Exception as e:
+        errors.append(f"triton setup: {type(e).__name__}: {e}")
     if rank == 0:
         print(f"{torch.cuda.get_device_name(device)} x 2, torch {torch.__version__}")
         cells = ["size"] + [
@@ -191,7 +174,7 @@ def run(rank: int, port: int) -> None:
         cells = [f"{size >> 10} KiB"]
         for name in METHODS:
             try:
-                cells += measure(name, *ops[name], data, ref) if name in ops else ["ERR", "ERR"]
+                cells += measure(name, ops[name], data, ref) if name in ops else ["ERR", "ERR"]
             except Exception as e:
                 errors.append(f"{name} {size >> 10} KiB: {type(e).__name__}: {e}")
                 cells += ["ERR", "ERR"]
@@ -200,9 +183,9 @@ def run(rank: int, port: int) -> None:
     if rank == 0:
         print(
             f"µs per all-reduce. eager: {EAGER_REPS} back-to-back calls; graph: {GRAPH_REPS} "
-            f"replays of a graph of {GRAPH_OPS}. The symmetric-memory paths write a new output "
-            "and, but for triton-ip, include the copy into their buffer; NCCL sums in place. "
-            "Eager Triton times include its Python launch."
+            f"replays of a graph of {GRAPH_OPS}. Triton writes a new output and includes the "
+            "copy into its buffer; NCCL sums in place. Eager Triton times include its Python "
+            "launch."
         )
     norm_table(triton_comm, rank, device, errors)
     if rank == 0:

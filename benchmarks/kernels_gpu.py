@@ -79,16 +79,22 @@ def reference(q, kv_cache, meta, q_lens, seq_lens, scale) -> torch.Tensor:  # no
     return torch.cat(outs)
 
 
+def attend(backend: TritonAttentionBackend, q, k, v, kv_cache, meta, scale):  # noqa: ANN001, ANN201
+    """One layer's attention: store this step's k/v, then attend."""
+    backend.store_kv(k, v, kv_cache, meta.slot_mapping)
+    return backend.forward(q, kv_cache, meta, scale)
+
+
 def captured(backend: TritonAttentionBackend, args: tuple, expected: torch.Tensor):  # noqa: ANN201
-    """The forward captured in a CUDA graph, after checking that a replay matches eager."""
+    """`attend` captured in a CUDA graph, after checking that a replay matches eager."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.forward(*args)  # warm-up (JIT) outside the capture
+        attend(backend, *args)  # warm-up (JIT) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(*args)
+        out = attend(backend, *args)
     graph.replay()
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     return graph
@@ -115,11 +121,11 @@ def bench_attention() -> None:
         kv_bytes = sum(seq_lens) * HKV * D * 2 * kv_cache.element_size()
         for splits in sorted({1, num_decode_splits(n, HKV)}):
             backend = TritonAttentionBackend(num_splits=splits)
-            out = backend.forward(q, k, v, kv_cache, meta, scale)
+            out = attend(backend, q, k, v, kv_cache, meta, scale)
             ref = reference(q, kv_cache, meta, [1] * n, seq_lens, scale)
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
             args = (q, k, v, kv_cache, meta, scale)
-            us = bench(lambda b=backend, a=args: b.forward(*a))
+            us = bench(lambda b=backend, a=args: attend(b, *a))
             graph_us = bench(captured(backend, args, out).replay)
             tbs = kv_bytes / us / 1e6
             rows.append(
@@ -134,11 +140,11 @@ def bench_attention() -> None:
     seq_lens = [random.randint(100, 1024) for _ in range(16)]
     q, k, v, kv_cache, meta = paged_batch(seq_lens, seq_lens)
     backend = TritonAttentionBackend()
-    out = backend.forward(q, k, v, kv_cache, meta, scale)
+    out = attend(backend, q, k, v, kv_cache, meta, scale)
     torch.testing.assert_close(
         out.float(), reference(q, kv_cache, meta, seq_lens, seq_lens, scale), atol=2e-2, rtol=2e-2
     )
-    us = bench(lambda: backend.forward(q, k, v, kv_cache, meta, scale))
+    us = bench(lambda: attend(backend, q, k, v, kv_cache, meta, scale))
     flops = sum(4 * s * (s + 1) / 2 * D * HQ for s in seq_lens)
     note = f"{flops / us / 1e6:.0f} TFLOP/s; " + bench_varlen(q, k, v, seq_lens, scale)
     rows.append(("prefill attention", f"16 prompts, {sum(seq_lens)} tokens", us, note))

@@ -100,7 +100,8 @@ def decode_probe(cache: torch.Tensor) -> None:
 
             def layers(backend=backend, m=m, q=q, kv=kv):
                 for _ in range(LAYERS):
-                    backend.forward(q, kv, kv, cache, m, scale)
+                    backend.store_kv(kv, kv, cache, m.slot_mapping)
+                    backend.forward(q, cache, m, scale)
 
             ms = graph_replay_ms(layers, reps=5) / LAYERS
             totals[name] += ms * LAYERS * 50 / 1e3
@@ -133,9 +134,14 @@ def prefill_probe(cache: torch.Tensor) -> None:
     kv = torch.randn(t, KV_HEADS, HEAD_DIM, dtype=DT, device=DEV)
     scale = HEAD_DIM**-0.5
     cu = meta.query_start_loc
+
+    def paged(backend: TritonAttentionBackend) -> torch.Tensor:
+        backend.store_kv(kv, kv, cache, meta.slot_mapping)
+        return backend.forward(q, cache, meta, scale)
+
     runs = {
         f"paged Triton prefill {tiles}": lambda b=TritonAttentionBackend(prefill_tiles=tiles): (
-            b.forward(q, kv, kv, cache, meta, scale)
+            paged(b)
         )
         for tiles in PREFILL_TILES
     }

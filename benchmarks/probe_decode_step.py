@@ -29,7 +29,7 @@ from minivllm.protocol.messages import (  # noqa: E402
     SchedulerOutput,
 )
 from minivllm.protocol.sampling_params import SamplingParams  # noqa: E402
-from minivllm.worker.step_sampling import compute_logits, sample_logits  # noqa: E402
+from minivllm.worker.sampler import SamplingMetadata  # noqa: E402
 from minivllm.worker.worker import Worker  # noqa: E402
 
 
@@ -117,9 +117,10 @@ def main() -> None:
         print(f"  graph replay (B={NUM}) GPU {gpu_ms(lambda: runner.graphs.replay(NUM)):.2f} ms")
     hidden = torch.randn(NUM, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        print(f"  lm_head GPU {gpu_ms(lambda: compute_logits(runner.model, hidden)):.3f} ms")
-        logits = compute_logits(runner.model, hidden)
-        print(f"  sampler GPU {gpu_ms(lambda: sample_logits(logits, runner.buffers)):.3f} ms")
+        print(f"  lm_head GPU {gpu_ms(lambda: runner.model.compute_logits(hidden)):.3f} ms")
+        logits = runner.model.compute_logits(hidden)
+        meta = SamplingMetadata.from_buffers(runner.buffers, NUM)
+        print(f"  sampler GPU {gpu_ms(lambda: runner.sampler.sample_logits(logits, meta)):.3f} ms")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

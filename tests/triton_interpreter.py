@@ -2,13 +2,15 @@
 
 TRITON_INTERPRET must be set before triton is first imported, and this pytest process has
 imported it already, so the module runs again as a script in a subprocess with the
-variable set (its `if __name__ == "__main__":` block does the checks).
+variable set (its `if __name__ == "__main__":` block does the checks), started through this
+file, which first patches the interpreter.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,30 @@ def run_interpreted(script: str, *args: str, timeout: float = 240) -> None:
     """`python script *args` with TRITON_INTERPRET=1; fails the test with its output."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, __file__, script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns scalar tensors (numpy shape (1,)) into loop bounds with
+    `int(array)`, which numpy >= 2.4 refuses; index through the single element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:  # noqa: ANN001 - triton internals
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if __name__ == "__main__":  # python triton_interpreter.py SCRIPT ARGS...
+    _patch_interpreter_scalar_index()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

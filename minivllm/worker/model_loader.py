@@ -10,8 +10,8 @@ import torch
 
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.dummy_weights import dummy_weights
-from minivllm.worker.layers.parallel_state import TPGroup
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import CausalLM
 from minivllm.worker.models.registry import resolve_architecture

@@ -22,8 +22,8 @@ from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.sampler import Sampler, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
-from minivllm.worker.step_sampling import compute_logits, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class ModelRunner:
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
         self.graphs = DecodeGraphs()
+        self.sampler = Sampler(tp.size)
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
@@ -152,13 +153,8 @@ class ModelRunner:
         pos = torch.arange(n, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, caches, meta)
         rows = min(n, self.config.scheduler.max_num_seqs)
-        logits = compute_logits(self.model, hidden[-rows:])
-        if self.device.type == "cuda":
-            from minivllm.worker.ops.sampling import sample
-
-            ones = torch.ones(rows, dtype=torch.float32, device=dev)
-            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-            sample(logits, ones, None, None, None, zeros, zeros)
+        logits = self.model.compute_logits(hidden[-rows:])
+        self.sampler.sample_logits(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
@@ -253,7 +249,7 @@ class ModelRunner:
         ns = len(sample_idx)
         sampled_states = [states[i] for i in sample_idx]
         rows = hidden.index_select(0, d.logits_indices[:ns])
-        sampled = sample_rows(self.model, rows, self.buffers, self.tp.size)
+        sampled = self.sampler(self.model, rows, SamplingMetadata.from_buffers(self.buffers, ns))
         out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1

@@ -22,7 +22,7 @@ class Worker:
         self.model_runner = None
 
     def init_device(self) -> None:
-        from minivllm.worker.layers.parallel_state import TPGroup
+        from minivllm.worker.distributed.parallel_state import init_tp_group
 
         cfg = self.config
         tp_size = cfg.parallel.tensor_parallel_size
@@ -34,32 +34,10 @@ class Worker:
             self.device = torch.device("cpu")
             # one rank per core at most; the frontend and engine-core need some too
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-        group = symm_all_reduce = None
-        if tp_size > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend=backend,
-                store=self.dist_store,
-                world_size=tp_size,
-                rank=self.rank,
-                **({"device_id": self.device} if backend == "nccl" else {}),
-            )
-            group = dist.group.WORLD
-            if backend == "nccl":
-                from minivllm.worker.layers.symm_all_reduce import create_tp_all_reduce
-
-                # the largest decode message: one hidden-state row per sequence
-                row_bytes = (
-                    cfg.model.hf_config["hidden_size"] * getattr(torch, cfg.model.dtype).itemsize
-                )
-                # $MINIVLLM_TP_ALL_REDUCE picks triton | one_shot | two_shot | nccl
-                symm_all_reduce = create_tp_all_reduce(
-                    group, self.device, max_bytes=cfg.scheduler.max_num_seqs * row_bytes
-                )
-        self.tp = TPGroup(
-            rank=self.rank, size=tp_size, group=group, symm_all_reduce=symm_all_reduce
+        # the largest decode message: one hidden-state row per sequence
+        row_bytes = cfg.model.hf_config["hidden_size"] * getattr(torch, cfg.model.dtype).itemsize
+        self.tp = init_tp_group(
+            self.rank, tp_size, self.device, self.dist_store, cfg.scheduler.max_num_seqs * row_bytes
         )
         torch.manual_seed(cfg.model.seed)
         from minivllm.worker.model_runner import ModelRunner
@@ -93,5 +71,5 @@ class Worker:
 
             # With symmetric-memory buffers still mapped, destroying the NCCL group was seen
             # to block (2 x H200); the process exits right after this, which frees both.
-            if dist.is_initialized() and self.tp.symm_all_reduce is None:
+            if dist.is_initialized() and self.tp.fast_all_reduce is None:
                 dist.destroy_process_group()

@@ -8,6 +8,7 @@ import torch
 from minivllm.worker.attention.cpu_attention import CpuAttentionBackend
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+from tests.attention_step import attend
 
 
 def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int, gen):
@@ -56,7 +57,7 @@ def test_matches_reference(group: int) -> None:
     k = torch.randn(n, kv_heads, head_dim, generator=gen)
     v = torch.randn(n, kv_heads, head_dim, generator=gen)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.25)
-    fast = CpuAttentionBackend().forward(q, k, v, fast_cache, meta, 0.25)
+    ref = attend(TorchAttentionBackend(), q, k, v, ref_cache, meta, 0.25)
+    fast = attend(CpuAttentionBackend(), q, k, v, fast_cache, meta, 0.25)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache)

@@ -25,6 +25,7 @@ from minivllm.worker.attention.flash_attention import (
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.selector import get_attention_backend
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+from tests.attention_step import attend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
 SCALE = 0.3  # not the 1/sqrt(head_dim) default, so a dropped softmax_scale shows
@@ -156,23 +157,12 @@ CASES = {
 def test_matches_torch_reference(fake_flash_attn, case: str, page: int) -> None:
     q, k, v, cache, meta = _step(CASES[case], page, pad_rows=2, seed=zlib.crc32(case.encode()))
     ref_cache = cache.clone()
-    out = FlashAttentionBackend().forward(q, k, v, cache, meta, SCALE)
-    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, SCALE)
+    out = attend(FlashAttentionBackend(), q, k, v, cache, meta, SCALE)
+    expected = attend(TorchAttentionBackend(), q, k, v, ref_cache, meta, SCALE)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)  # same KV stored
     assert not out[meta.num_tokens :].any()  # padding rows
-
-
-def test_kv_stored_before_forward_is_not_stored_again(fake_flash_attn) -> None:
-    q, k, v, cache, meta = _step(CASES["mixed"], 256, pad_rows=2, seed=5)
-    expected = TorchAttentionBackend().forward(q, k, v, cache, meta, SCALE)
-    # the cache as the layer's rotary kernel leaves it: this step's k/v stored already
-    stored = cache.clone()
-    zeros = torch.zeros_like(k)
-    out = FlashAttentionBackend().forward(q, zeros, zeros, cache, meta, SCALE, kv_stored=True)
-    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
-    assert torch.equal(cache, stored)
 
 
 def test_unsupported_reasons(fake_flash_attn, monkeypatch: pytest.MonkeyPatch) -> None:

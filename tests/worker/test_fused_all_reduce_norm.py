@@ -1,9 +1,9 @@
 """The Triton all-reduce fused with the residual add and RMSNorm after it, across 2 spawned
-ranks on 2 GPUs: bit-equal to all_reduce then ops.fused_add_rms_norm (ops.rms_norm without a
+ranks on 2 GPUs: bit-equal to all_reduce then fused_add_rms_norm (rms_norm without a
 residual), alike on both ranks, the inputs left as they were, interleaved with plain calls
 of changing sizes, back to back with one rank late, and in CUDA graphs replayed in changing
 orders; what the kernel declines goes to the plain all-reduce, then the norm (also without
-a GPU, through a communicator that has no fused kernel)."""
+a GPU, through a communicator that declines the rows)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minivllm.worker.layers import ops
-from minivllm.worker.layers.parallel_state import TPGroup
-from minivllm.worker.layers.triton_all_reduce import TritonAllReduce
-from tests.worker.test_symm_all_reduce import (
+from minivllm.worker.distributed.parallel_state import TPGroup
+from minivllm.worker.distributed.triton_all_reduce import TritonAllReduce
+from minivllm.worker.ops.norm import fused_add_rms_norm, rms_norm
+from tests.worker.test_tp_all_reduce import (
     EPS,
     _free_port,
     _join_or_fail,
@@ -68,8 +68,8 @@ def _two_steps(
     """What the fused kernel must equal: all_reduce, then the add and the norm."""
     s = comm.all_reduce(x)
     if residual is None:
-        return ops.rms_norm(s, weight, EPS), s
-    return ops.fused_add_rms_norm(s, residual, weight, EPS)
+        return rms_norm(s, weight, EPS), s
+    return fused_add_rms_norm(s, residual, weight, EPS)
 
 
 def _assert_bit_equal(
@@ -89,17 +89,11 @@ def _assert_alike_on_every_rank(t: torch.Tensor, what: str) -> None:
     assert torch.equal(every[: mine.numel()], every[mine.numel() :]), f"{what}: ranks differ"
 
 
-def _plain_call(comm: TritonAllReduce, x: torch.Tensor, in_place: bool) -> torch.Tensor:
-    if in_place:
-        return comm.all_reduce(comm.buffer_for(x.shape, x.dtype).copy_(x))
-    return comm.all_reduce(x)
-
-
 def _fused_rank(rank: int, port: int) -> None:
     with _nccl_group(rank, port) as device:
         group = dist.group.WORLD
         comm = TritonAllReduce(group, device, FUSED_MAX_BYTES)  # raises with a reason
-        tp = TPGroup(rank=rank, size=2, group=group, symm_all_reduce=comm)
+        tp = TPGroup(rank=rank, size=2, group=group, fast_all_reduce=comm)
 
         # eager, through TPGroup: every case, a plain call of another size between
         for i, (_, _, dtype, _) in enumerate(FUSED_CASES):
@@ -114,7 +108,7 @@ def _fused_rank(rank: int, port: int) -> None:
             s = _nccl_sum(x).float() + (0 if residual is None else residual.float())
             torch.testing.assert_close(got[1], s.to(dtype), msg=f"case {i}: not the sum")
             plain = _plain_input(rank, i % len(PLAIN_CASES), 0, device)
-            torch.testing.assert_close(_plain_call(comm, plain, i % 2 == 1), _nccl_sum(plain))
+            torch.testing.assert_close(comm.all_reduce(plain), _nccl_sum(plain))
 
         # what the kernel declines goes to all_reduce, then the norm
         case = FUSED_CASES.index((7, 1024, torch.bfloat16, True))
@@ -138,17 +132,17 @@ def _fused_rank(rank: int, port: int) -> None:
             ref = _nccl_sum(y)
             normed, s = tp.all_reduce_add_rms_norm(y.clone(), None, w, EPS)
             torch.testing.assert_close(s, ref)
-            torch.testing.assert_close(normed, ops.rms_norm(ref, w, EPS))
+            torch.testing.assert_close(normed, rms_norm(ref, w, EPS))
 
-        # back to back, fused and plain calls of changing sizes (so grids), plain ones copied
-        # in or in place; rank 0 sometimes starts late, so either rank may be the one waiting
+        # back to back, fused and plain calls of changing sizes (so grids); rank 0 sometimes
+        # starts late, so either rank may be the one waiting
         calls = []
         for n in range(120):
             if rank == 0 and n % 7 == 0:
                 torch.cuda._sleep(20_000 * (1 + n % 5))
             if n % 3 == 2:
                 plain = _plain_input(rank, n % len(PLAIN_CASES), n, device)
-                calls.append((n, plain, _plain_call(comm, plain, n % 2 == 0)))
+                calls.append((n, plain, comm.all_reduce(plain)))
             else:
                 i = (5 * n) % len(FUSED_CASES)
                 inputs = _fused_input(rank, i, n, device)
@@ -167,18 +161,18 @@ def _fused_rank(rank: int, port: int) -> None:
         graph_cases = [FUSED_CASES.index(c) for c in picks]
         fused_in = {i: _fused_input(rank, i, 0, device) for i in graph_cases}
         plain_in = {k: _plain_input(rank, k, 0, device) for k in range(len(PLAIN_CASES))}
-        plans = [  # per graph: ("fused", case) or ("plain", case, in place)
-            [("fused", graph_cases[0]), ("plain", 1, False), ("fused", graph_cases[1])]
-            + [("plain", 3, True), ("fused", graph_cases[2]), ("fused", graph_cases[3])],
-            [("fused", graph_cases[4]), ("plain", 0, True), ("fused", graph_cases[5])]
-            + [("plain", 2, False), ("fused", graph_cases[2])],
+        plans = [  # per graph: ("fused", case) or ("plain", case)
+            [("fused", graph_cases[0]), ("plain", 1), ("fused", graph_cases[1])]
+            + [("plain", 3), ("fused", graph_cases[2]), ("fused", graph_cases[3])],
+            [("fused", graph_cases[4]), ("plain", 0), ("fused", graph_cases[5])]
+            + [("plain", 2), ("fused", graph_cases[2])],
         ]
 
         def run(plan: list[tuple]) -> list[tuple | torch.Tensor]:
             return [
                 comm.all_reduce_add_rms_norm(*fused_in[step[1]], EPS)
                 if step[0] == "fused"
-                else _plain_call(comm, plain_in[step[1]], step[2])
+                else comm.all_reduce(plain_in[step[1]])
                 for step in plan
             ]
 
@@ -224,20 +218,23 @@ def test_fused_all_reduce_add_rms_norm_is_bit_equal_to_the_two_steps() -> None:
 
 
 class _TwiceX:
-    """A communicator without a fused kernel, like SymmMemAllReduce; its "sum" is 2 x."""
+    """A communicator that takes every message but declines rows; its "sum" is 2 x."""
 
     def fits(self, x: torch.Tensor) -> bool:
         return True
+
+    def fits_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * x
 
 
-def test_a_communicator_without_the_fused_kernel_sums_then_norms() -> None:
-    tp = TPGroup(rank=0, size=2, symm_all_reduce=_TwiceX())  # type: ignore[arg-type]
+def test_rows_the_fused_kernel_declines_are_summed_then_normed() -> None:
+    tp = TPGroup(rank=0, size=2, fast_all_reduce=_TwiceX())  # type: ignore[arg-type]
     x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64)
     normed, s = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
     torch.testing.assert_close(s, 2 * x + residual)
-    torch.testing.assert_close(normed, ops.rms_norm(2 * x + residual, weight, EPS))
+    torch.testing.assert_close(normed, rms_norm(2 * x + residual, weight, EPS))
     normed, s = tp.all_reduce_add_rms_norm(x, None, weight, EPS)
-    torch.testing.assert_close(normed, ops.rms_norm(2 * x, weight, EPS))
+    torch.testing.assert_close(normed, rms_norm(2 * x, weight, EPS))

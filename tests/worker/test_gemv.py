@@ -2,7 +2,7 @@
 prologues (residual add + RMSNorm, SiLU * up) against the separate ops they replace.
 
 On CPU the kernel runs through the Triton interpreter in a subprocess (TRITON_INTERPRET must
-be set before triton is imported); on a GPU through `ops.linear`, as the layers call it.
+be set before triton is imported); on a GPU through `ops.gemv.linear`, as the layers call it.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def check_fused_prologues(device: str, dtype: torch.dtype) -> None:
         nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(device, dtype)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
         normed, want_res = fused_add_rms_norm_torch(x, res, nw, 1e-6)
-        got, got_res = gemv_rms_norm(x, res, nw, 1e-6, w, cfg)
+        got_res = torch.full_like(x, float("nan"))
+        got = gemv_rms_norm(x, res, nw, 1e-6, w, cfg, got_res)
         assert torch.equal(got_res, want_res)  # the new residual stream, written once
         torch.testing.assert_close(got.double(), normed.double() @ w.double().T, atol=tol, rtol=tol)
-        got, same = gemv_rms_norm(x, None, nw, 1e-6, w, cfg)
-        assert same is x
+        got = gemv_rms_norm(x, None, nw, 1e-6, w, cfg)
         want = rms_norm_torch(x, nw, 1e-6).double() @ w.double().T
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
@@ -67,23 +67,33 @@ def test_gemv_interpreted() -> None:
 def test_gemv_gpu() -> None:
     import torch.nn.functional as F
 
-    from minivllm.worker.layers import ops
+    from minivllm.worker.ops.activation import silu_and_mul
+    from minivllm.worker.ops.gemv import RowPrologue, linear
+    from minivllm.worker.ops.norm import fused_add_rms_norm
 
     check_gemv("cuda", torch.bfloat16)
     check_fused_prologues("cuda", torch.bfloat16)
     x = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
-    torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
-    # the layers' entry points: fused at one row, the same as the separate kernels
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
+    # the layers: at one row the linear computes the norm or SiLU*mul before it in its GEMV,
+    # the same as the separate kernels
+    from minivllm.worker.layers.activation import SiluAndMul
+    from minivllm.worker.layers.norm import RMSNorm
+
     h, res = x[:, :1024].contiguous(), torch.randn_like(x[:, :1024])
-    nw, w1 = torch.ones(1024, device="cuda", dtype=torch.bfloat16), w[:, :1024].contiguous()
-    normed, new_res = ops.fused_add_rms_norm(h, res, nw, 1e-6)
-    got, got_res = ops.rms_norm_linear(h, res, nw, 1e-6, w1)
-    assert torch.equal(got_res, new_res)
-    torch.testing.assert_close(got, F.linear(normed, w1), atol=2e-2, rtol=2e-2)
+    w1 = w[:, :1024].contiguous()
+    norm = RMSNorm(1024, 1e-6, torch.bfloat16, feeds_linear=True).cuda()
+    norm.weight.fill_(1.0)
+    normed, new_res = fused_add_rms_norm(h, res, norm.weight, 1e-6)
+    prologue, got_res = norm(h, res)
+    assert isinstance(prologue, RowPrologue)
+    torch.testing.assert_close(linear(prologue, w1), F.linear(normed, w1), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got_res, new_res)  # written by the GEMV
     gate_up = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
-    want = F.linear(ops.silu_and_mul(gate_up), w)
-    torch.testing.assert_close(ops.silu_mul_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
+    want = F.linear(silu_and_mul(gate_up), w)
+    got = linear(SiluAndMul()(gate_up), w)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.worker.layers.linear import (
     ColumnParallelLinear,
@@ -15,7 +16,6 @@ from minivllm.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minivllm.worker.layers.parallel_state import TPGroup
 from minivllm.worker.layers.rotary import RotaryEmbedding
 
 

@@ -13,7 +13,7 @@ import torch
 from minivllm.config import EngineArgs
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
-from minivllm.worker.cuda_graphs import capture_sizes
+from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.worker import Worker
 from tests.hf_reference import hf_greedy
@@ -107,11 +107,15 @@ def test_step_buffers_views_share_one_buffer() -> None:
     assert all(off % 64 == 0 for off in bufs.offsets.values())
 
 
-def test_capture_sizes_cover_every_batch() -> None:
-    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
-    assert capture_sizes(256)[-1] == 256
-    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert capture_sizes(1) == [1]
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 20, 256])
+def test_decode_graphs_cover_every_batch_with_little_padding(max_num_seqs: int) -> None:
+    graphs = DecodeGraphs()
+    graphs.sizes = capture_sizes(max_num_seqs)  # as `capture` sets them
+    for n in range(1, max_num_seqs + 1):
+        padded = graphs.padded_size(n)
+        assert padded is not None and n <= padded <= max_num_seqs
+        assert padded - n < 8 and padded <= 2 * n  # padding rows are wasted work
+    assert graphs.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly
 
 
 def test_attention_backend_is_chosen_by_env(qwen3_dir: str, monkeypatch) -> None:

@@ -2,8 +2,9 @@
 
 Each rank samples its slice of the vocabulary (`sample_shard`); the best of the ranks'
 bests, first on ties, must equal `sample` over the full row, for greedy and random rows and
-any shard boundaries, padding columns included. On CPU the kernel runs through the Triton
-interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported).
+any shard boundaries, padding columns included; for the kernel and for its torch reference.
+On CPU the kernel runs through the Triton interpreter in a subprocess (TRITON_INTERPRET must
+be set before triton is imported).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def check_shards(device: str, vocab: int = 10_000, rows: int = 6) -> None:
         winner = torch.stack(vals).argmax(0)
         picked = torch.stack(idxs).gather(0, winner[None]).squeeze(0)
         assert torch.equal(picked, whole), (tp, picked.tolist(), whole.tolist())
+
+
+def test_sample_shard_reference() -> None:
+    check_shards("cpu")  # without the interpreter: the torch paths
 
 
 @needs_triton

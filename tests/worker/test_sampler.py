@@ -1,12 +1,16 @@
-"""Sampler: greedy, filters, and per-request seeded draws."""
+"""The torch sampler (the CPU path): greedy, filters, and per-request seeded draws."""
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.worker.sampler import SamplingMetadata, sample
+from minivllm.worker.ops.sampling import argmax_rows, sample_reference
 
 VOCAB = 32
+
+
+def sample(logits: torch.Tensor, meta: dict) -> torch.Tensor:
+    return sample_reference(logits, **meta)
 
 
 def make_meta(
@@ -17,18 +21,16 @@ def make_meta(
     min_p: float = 0.0,
     seeds: list[int] | None = None,
     positions: list[int] | None = None,
-) -> SamplingMetadata:
+) -> dict:
     temps = torch.tensor(temperature if isinstance(temperature, list) else [temperature] * n)
-    return SamplingMetadata(
-        temperature=temps.float(),
-        top_k=torch.full((n,), top_k, dtype=torch.int32),
-        top_p=torch.full((n,), top_p, dtype=torch.float32),
-        min_p=torch.full((n,), min_p, dtype=torch.float32),
-        seeds=torch.tensor(seeds if seeds is not None else [0] * n, dtype=torch.int64),
-        positions=torch.tensor(positions if positions is not None else list(range(n))),
-        all_greedy=bool((temps < 1e-5).all()),
-        all_random=bool((temps >= 1e-5).all()),
-    )
+    return {
+        "temperature": temps.float(),
+        "top_k": torch.full((n,), top_k, dtype=torch.int32) if top_k else None,
+        "top_p": torch.full((n,), top_p, dtype=torch.float32) if top_p < 1 else None,
+        "min_p": torch.full((n,), min_p, dtype=torch.float32) if min_p else None,
+        "seeds": torch.tensor(seeds if seeds is not None else [0] * n, dtype=torch.int64),
+        "positions": torch.tensor(positions if positions is not None else list(range(n))),
+    }
 
 
 def random_logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -60,15 +62,17 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     together = sample(logits, meta)
     assert torch.equal(sample(logits, meta), together)
     for row in range(5):
-        alone = make_meta(1, seeds=[meta.seeds[row].item()], positions=[meta.positions[row].item()])
+        alone = make_meta(
+            1, seeds=[meta["seeds"][row].item()], positions=[meta["positions"][row].item()]
+        )
         assert sample(logits[row : row + 1], alone).item() == together[row].item()
     # reversed order, with a greedy row added: the same draws
     perm = [4, 3, 2, 1, 0]
     mixed = make_meta(
         6,
         temperature=[1.0] * 5 + [0.0],
-        seeds=[meta.seeds[i].item() for i in perm] + [0],
-        positions=[meta.positions[i].item() for i in perm] + [0],
+        seeds=[meta["seeds"][i].item() for i in perm] + [0],
+        positions=[meta["positions"][i].item() for i in perm] + [0],
     )
     out = sample(torch.cat([logits[perm], logits[:1]]), mixed)
     assert out[:5].tolist() == together[perm].tolist()
@@ -117,8 +121,6 @@ def test_temperature_sharpens() -> None:
 
 
 def test_cpu_argmax_picks_the_first_maximum_like_torch() -> None:
-    from minivllm.worker.sampler import argmax_rows
-
     logits = random_logits(5)
     logits[1, 3] = logits[1, 9] = 100.0  # a tie: the first one wins
     logits[2, 7] = logits[2, 11] = float("nan")  # NaN is the maximum

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker.attention.layer import PagedAttention, forward_batch
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.torch_attention import TorchAttentionBackend
+from tests.attention_step import attend
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -72,7 +75,7 @@ def test_paged_attention_matches_dense_over_two_steps() -> None:
         q = torch.cat([qs[i][a:b] for i, a, b in pick] + [pad])
         k = torch.cat([ks[i][a:b] for i, a, b in pick] + [pad_kv])
         v = torch.cat([vs[i][a:b] for i, a, b in pick] + [pad_kv])
-        out = backend.forward(q, k, v, kv_cache, meta, SCALE)
+        out = attend(backend, q, k, v, kv_cache, meta, SCALE)
         assert out.shape == q.shape
         expected = torch.cat(
             [dense_attention(qs[i][a:b], ks[i][:b], vs[i][:b]) for i, a, b in pick]
@@ -93,7 +96,7 @@ def test_host_copies_are_used_when_present() -> None:
     meta.query_start_loc = meta.seq_lens = None  # must not be touched
     q, k, v = rand(6, NUM_HEADS, gen), rand(6, NUM_KV_HEADS, gen), rand(6, NUM_KV_HEADS, gen)
     kv_cache = torch.zeros(2, 3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, SCALE)
+    out = attend(TorchAttentionBackend(), q, k, v, kv_cache, meta, SCALE)
     torch.testing.assert_close(out, dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
@@ -102,7 +105,7 @@ def test_negative_slots_are_not_stored() -> None:
     meta = make_meta([[1, 0]], [0], [5], skip_tokens=(2,))
     q, k, v = rand(5, NUM_HEADS, gen), rand(5, NUM_KV_HEADS, gen), rand(5, NUM_KV_HEADS, gen)
     kv_cache = torch.zeros(2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    TorchAttentionBackend().forward(q, k, v, kv_cache, meta, SCALE)
+    attend(TorchAttentionBackend(), q, k, v, kv_cache, meta, SCALE)
     keys = kv_cache[0, [1, 0]].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
     torch.testing.assert_close(keys[[0, 1, 3, 4]], k[[0, 1, 3, 4]])
     assert not keys[2].any()
@@ -113,7 +116,23 @@ def test_bf16_cache_and_inputs() -> None:
     meta = make_meta([[0, 1, 2]], [0], [10])
     q, k, v = (t.bfloat16() for t in (rand(10, NUM_HEADS, gen), rand(10, 2, gen), rand(10, 2, gen)))
     kv_cache = torch.zeros(2, 3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, SCALE)
+    out = attend(TorchAttentionBackend(), q, k, v, kv_cache, meta, SCALE)
     assert out.dtype == torch.bfloat16
     expected = dense_attention(q.float(), k.float(), v.float())
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_reads_the_one_forward_batch_in_scope() -> None:
+    gen = torch.Generator().manual_seed(4)
+    meta = make_meta([[0, 1]], [0], [6])
+    q, k, v = rand(6, NUM_HEADS, gen), rand(6, NUM_KV_HEADS, gen), rand(6, NUM_KV_HEADS, gen)
+    layer = PagedAttention(0, TorchAttentionBackend(), SCALE)
+    with pytest.raises(RuntimeError, match="outside a forward batch"):
+        layer(q, k, v)
+    kv_cache = torch.zeros(2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    with forward_batch(meta, [kv_cache]):
+        with pytest.raises(RuntimeError, match="do not nest"), forward_batch(meta, [kv_cache]):
+            pass
+        torch.testing.assert_close(layer(q, k, v), dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside a forward batch"):  # the scope has ended
+        layer(q, k, v)

@@ -28,11 +28,10 @@ CASES: dict[str, tuple] = {
 }
 
 
-def check_case(name: str, device: str, dtype: torch.dtype, kv_stored: bool = False) -> None:
-    """kv_stored: the step's k/v are stored before `forward` (as the layer's rotary kernel
-    does) and `forward(kv_stored=True)` gets other k/v, which it must not store."""
+def check_case(name: str, device: str, dtype: torch.dtype) -> None:
     from minivllm.worker.attention.metadata import AttentionMetadata
-    from minivllm.worker.attention.triton_attention import TritonAttentionBackend, store_kv_cache
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+    from tests.attention_step import attend
 
     seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -100,11 +99,8 @@ def check_case(name: str, device: str, dtype: torch.dtype, kv_stored: bool = Fal
     dev = {"dtype": dtype, "device": device}
     kv_cache = cache.to(**dev)
     k, v = k.to(**dev), v.to(**dev)
-    if kv_stored:
-        store_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        k, v = torch.zeros_like(k), torch.zeros_like(v)
-    out = TritonAttentionBackend(num_splits=splits).forward(
-        q.to(**dev), k, v, kv_cache, meta, scale, kv_stored=kv_stored
+    out = attend(
+        TritonAttentionBackend(num_splits=splits), q.to(**dev), k, v, kv_cache, meta, scale
     )
 
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -139,9 +135,8 @@ def check_case(name: str, device: str, dtype: torch.dtype, kv_stored: bool = Fal
 @pytest.mark.parametrize(
     "names",
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
-     ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"],
-     ["decode_split:kv_stored", "mixed_fresh:kv_stored"]],
-    ids=["decode", "prefill", "kv_stored"],
+     ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"]],
+    ids=["decode", "prefill"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:
     run_interpreted(__file__, *names)
@@ -154,14 +149,7 @@ def test_triton_attention_gpu(name: str, dtype: torch.dtype) -> None:
     check_case(name, "cuda", dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode_split", "mixed_fresh"])
-def test_triton_attention_kv_stored_gpu(name: str) -> None:
-    check_case(name, "cuda", torch.bfloat16, kv_stored=True)
-
-
-if __name__ == "__main__":  # the interpreted run: python this_file.py CASE[:kv_stored]...
-    for arg in sys.argv[1:]:
-        case, _, mode = arg.partition(":")
-        check_case(case, "cpu", torch.float32, kv_stored=mode == "kv_stored")
-        print("ok", arg)
+if __name__ == "__main__":  # the interpreted run: python this_file.py CASE...
+    for case in sys.argv[1:]:
+        check_case(case, "cpu", torch.float32)
+        print("ok", case)

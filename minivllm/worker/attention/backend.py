@@ -10,25 +10,25 @@ from minivllm.worker.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    """Stores this step's keys/values into the paged cache, then attends over it.
+    """Stores a step's keys/values into a layer's paged cache, and attends over the cache.
 
-    The store may be done before `forward` instead: where `fuses_kv_store` is True, a layer
-    on CUDA has its rotary kernel write the rotated k and the v into `kv_cache` at
-    `meta.slot_mapping` (the same values, in the cache's dtype) and passes `kv_stored=True`,
-    saving the backend's store kernel. Backends whose own store reads the slots on the host
-    (the torch reference, the CPU backend) set it False, so layers leave the store to them.
-    """
+    The attention layer (layer.py) calls `store_kv`, then `forward`; where `store_kv` is
+    `triton_attention.store_kv_cache`, it may have the rotary kernel do the same writes in
+    its own pass instead."""
 
-    fuses_kv_store: bool
+    def store_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] flat slots; -1: not stored
+    ) -> None: ...
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # with this step's keys/values stored
         meta: AttentionMetadata,
         scale: float,
-        kv_stored: bool = False,  # True: k/v are in kv_cache already, do not store them
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -20,21 +20,11 @@ _MAX_GATHER_ELEMENTS = 1 << 25
 class CpuAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
 
-    fuses_kv_store = False
+    store_kv = staticmethod(store_kv)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if not kv_stored:
-            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
-
         out = torch.zeros_like(q)
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
         starts = meta.query_start_loc_cpu

@@ -2,12 +2,12 @@
 
 The KV cache layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` already holds
 flash-attn's paged layout `[num_blocks, page_block_size, nheads_k, headdim]` in each half, so
-the kernels read our blocks in place through `block_table`. Per layer and step:
-  1. this step's k/v rows go into the cache at `slot_mapping` (Triton's store kernel), unless
-     the layer's rotary kernel has written them already (`kv_stored`);
-  2. decode sequences (one query token each) go through `flash_attn_with_kvcache`, which picks
+the kernels read our blocks in place through `block_table`. Per layer and step, after the
+step's k/v rows went into the cache at `slot_mapping` (Triton's store kernel, `store_kv`, or
+the layer's rotary kernel in its pass):
+  1. decode sequences (one query token each) go through `flash_attn_with_kvcache`, which picks
      a split-KV count for short batches of long contexts;
-  3. the other sequences go through `flash_attn_varlen_func` over the paged cache. flash-attn
+  2. the other sequences go through `flash_attn_varlen_func` over the paged cache. flash-attn
      aligns the causal mask to the bottom right when a sequence has fewer queries than keys,
      which is exactly where a chunk's queries sit after its cached prefix.
 
@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.torch_attention import store_kv
-from minivllm.worker.ops._triton import use_triton
+from minivllm.worker.attention.triton_attention import store_kv_cache
 
 _PAGE_MULTIPLE = 256  # "Paged KV cache block size must be divisible by 256"
 _MAX_HEAD_DIM = 256
@@ -60,32 +59,17 @@ def flash_attn_unsupported_reason(block_size: int, head_dim: int, dtype: torch.d
 class FlashAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout) with flash-attn."""
 
-    fuses_kv_store = True  # the layer's rotary kernel may store k/v instead (`kv_stored`)
+    store_kv = staticmethod(store_kv_cache)
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        from minivllm.worker.attention.triton_attention import store_kv_cache
-
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-        self._store_kv_cache = store_kv_cache
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if not kv_stored:
-            slots = meta.slot_mapping[: meta.num_tokens]
-            # the torch store (CPU tensors, in tests) reads the slots on the host
-            store = self._store_kv_cache if use_triton(k) else store_kv
-            store(k, v, kv_cache, slots)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd, n, num_tokens = meta.num_decodes, meta.num_seqs, meta.num_tokens
         out = torch.empty_like(q)

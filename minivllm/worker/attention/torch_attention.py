@@ -12,25 +12,26 @@ import torch
 from minivllm.worker.attention.metadata import AttentionMetadata
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write row t of k/v to flat cache slot slots[t]; rows with a negative slot are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    n = len(slots)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n].to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n].to(kv_cache.dtype))
+
+
 class TorchAttentionBackend:
     """Implements `AttentionBackend` (see metadata.py for the batch layout)."""
 
-    fuses_kv_store = False
+    store_kv = staticmethod(store_kv)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        if not kv_stored:
-            store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
-
         starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
         seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
         # rows past num_tokens are padding (e.g. for a captured graph): left as zeros
@@ -43,17 +44,6 @@ class TorchAttentionBackend:
             values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
         return out
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write row t of k/v to flat cache slot slots[t]; rows with a negative slot are skipped."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    n = len(slots)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n].to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n].to(kv_cache.dtype))
 
 
 def causal_attention(

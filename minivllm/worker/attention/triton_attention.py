@@ -1,16 +1,15 @@
 """Triton paged attention: KV store, decode (optionally split-KV) and prefill kernels.
 
-Per layer and step, `forward` launches:
-  1. `_store_kv_kernel` (`store_kv_cache`): this step's k/v rows into the paged cache at
-     `slot_mapping`; skipped with `kv_stored=True`, when the layer's rotary kernel has
-     written them already (`fuses_kv_store`).
-  2. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
+Per layer and step, `_store_kv_kernel` (`store_kv`) writes this step's k/v rows into the
+paged cache at `slot_mapping` (unless the layer's rotary kernel does it in its own pass, see
+layer.py); then `forward` launches:
+  1. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
      `_merge_kernel` combines the slices by their log-sum-exp. Programs run longest
      context first when `meta.decode_order` is given (1.7% less attention time over the
      reference workload on an H100, whose contexts range from 100 to 2,048 tokens).
-  3. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
+  2. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
 
@@ -28,7 +27,15 @@ import math
 import torch
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
+from minivllm.worker.attention.torch_attention import store_kv
+from minivllm.worker.ops._triton import (
+    next_power_of_2,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -227,7 +234,10 @@ def store_kv_cache(
     """Write row t of k/v [T, num_kv_heads, head_dim] into `kv_cache` at flat slot
     `slot_mapping[t]` (int64; -1 = skip), cast to the cache's dtype. One program per slot,
     which reads its slot on the device: nothing waits for the GPU, and it can be captured
-    in a CUDA graph."""
+    in a CUDA graph. On CPU tensors (without the interpreter), the torch store."""
+    if not use_triton(k):
+        store_kv(k, v, kv_cache, slot_mapping)
+        return
     num_slots = slot_mapping.numel()
     if not num_slots:
         return
@@ -270,7 +280,7 @@ class TritonAttentionBackend:
     layer against 186 µs, and slower still end to end, so prompts stay on the paged kernel.
     """
 
-    fuses_kv_store = True  # the layer's rotary kernel may store k/v instead (`kv_stored`)
+    store_kv = staticmethod(store_kv_cache)
 
     def __init__(
         self,
@@ -289,31 +299,21 @@ class TritonAttentionBackend:
         self.prefill_tiles = prefill_tiles
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        num_kv_heads = kv_cache.shape[3]
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} q heads do not divide into {num_kv_heads} kv heads")
-        assert q.stride(2) == k.stride(2) == v.stride(2) == kv_cache.stride(4) == 1
+        assert q.stride(2) == kv_cache.stride(4) == 1
         gqa = num_heads // num_kv_heads
         page = meta.block_size
         cache_strides = kv_cache.stride()[:4]
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         scale_log2 = scale * LOG2E
         wide = q.dtype != torch.float32  # 16-bit tiles fit twice as many keys in shared memory
-
-        if not kv_stored:
-            store_kv_cache(k, v, kv_cache, meta.slot_mapping)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes

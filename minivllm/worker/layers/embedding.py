@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.worker.layers.parallel_state import TPGroup
+from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.layers.weights import Loaded, narrow, shape_of
 
 

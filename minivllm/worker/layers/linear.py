@@ -1,7 +1,7 @@
 """Tensor-parallel linear layers (Megatron style).
 
 Column-parallel layers split the output features across ranks and need no communication;
-row-parallel layers split the input features and all-reduce their partial sums. A
+row-parallel layers split the input features and leave partial sums to all-reduce. A
 column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down) thus costs
 one all-reduce. Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
 copies this rank's slice of a checkpoint tensor into it.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.worker.layers import ops
-from minivllm.worker.layers.parallel_state import TPGroup, divide
+from minivllm.worker.distributed.parallel_state import PartialSum, TPGroup, divide
 from minivllm.worker.layers.weights import Loaded, copy_checked, default_weight_loader, narrow
+from minivllm.worker.ops.gemv import RowPrologue, linear
 
 
 def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
@@ -54,8 +54,8 @@ class ColumnParallelLinear(nn.Module):
         rows = param.shape[0]
         copy_checked(param.data, narrow(loaded, 0, self.tp.rank * rows, rows))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -135,9 +135,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
-    output of a column-parallel layer). Partial products are all-reduced, then the bias is
-    added once. With `reduce_results=False` the partial sum is returned (rank 0's carries
-    the bias) for the consumer to reduce, e.g. fused with the next residual add + norm."""
+    output of a column-parallel layer). With TP the result is this rank's partial product
+    (rank 0's carrying the bias), a `PartialSum` that its consumer sums over the ranks: the
+    next RMSNorm, in the same kernel as its residual add and norm."""
 
     def __init__(
         self,
@@ -146,16 +146,14 @@ class RowParallelLinear(nn.Module):
         tp: TPGroup,
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
-        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.reduce_results = reduce_results
         self.input_size_per_rank = divide(input_size, tp.size)
         self.weight = _param(
             output_size, self.input_size_per_rank, dtype=params_dtype, loader=self.weight_loader
         )
-        # the bias is replicated: every rank holds all of it, added after the reduction
+        # the bias is replicated: every rank holds all of it, added once (by rank 0)
         self.bias = (
             _param(output_size, dtype=params_dtype, loader=default_weight_loader) if bias else None
         )
@@ -166,11 +164,6 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
 
-    def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
-        """`silu_mul_input`: x is a gate/up pair [..., 2 * in] and the layer's input is
-        silu(gate) * up, computed inside the matmul where it can be (batch 1 on CUDA)."""
-        matmul = ops.silu_mul_linear if silu_mul_input else ops.linear
-        if not self.reduce_results:
-            return matmul(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        y = self.tp.all_reduce(matmul(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+    def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor | PartialSum:
+        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return PartialSum(y, self.tp) if self.tp.size > 1 else y

@@ -1,53 +1,48 @@
-"""RMSNorm, with the residual-add variant the decoder layers use."""
+"""RMSNorm over the residual stream of a decoder."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from minivllm.worker.layers import ops
-
-if TYPE_CHECKING:
-    from minivllm.worker.layers.linear import ColumnParallelLinear
-    from minivllm.worker.layers.parallel_state import TPGroup
+from minivllm.worker.distributed.parallel_state import PartialSum
+from minivllm.worker.ops.gemv import RowPrologue, one_gpu_row
+from minivllm.worker.ops.norm import add_rms_norm
 
 
 class RMSNorm(nn.Module):
-    """norm(x) or, given a residual, (norm(x + residual), x + residual).
+    """(norm(x + residual), x + residual): the normed input of the next block and the new
+    residual stream; without a residual (norm(x), x), the stream starting at x.
 
-    With `tp` (size > 1) x is a row-parallel layer's partial sum: it is summed over the
-    ranks first, in the same kernel as the add and the norm where the group can."""
+    The fused kernels are chosen here, from what x is: a row-parallel layer's `PartialSum` is
+    summed over the TP ranks in the same kernel as the add and the norm; with `feeds_linear`
+    (the norm's output goes only into a linear layer), one CUDA row is returned as a
+    `RowPrologue` for that linear's GEMV to norm itself (its new residual written by it too)."""
 
-    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        params_dtype: torch.dtype | None = None,
+        feeds_linear: bool = False,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.feeds_linear = feeds_linear
         self.weight = nn.Parameter(
             torch.empty(hidden_size, dtype=params_dtype), requires_grad=False
         )
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TPGroup | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if tp is not None and tp.size > 1:
-            normed, new_residual = tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            return normed if residual is None else (normed, new_residual)
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-    def then_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        linear: ColumnParallelLinear,
-        tp: TPGroup | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(norm(x + residual)), x + residual), x summed over `tp` first as in forward;
-        without a residual, (linear(norm(x)), x). At batch 1 on one GPU the norm runs inside
-        the linear's GEMV: one kernel instead of two."""
-        if tp is not None and tp.size > 1:
-            normed, residual = tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            return linear(normed), residual
-        return ops.rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
+        self, x: torch.Tensor | PartialSum, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | RowPrologue, torch.Tensor]:
+        if isinstance(x, PartialSum):
+            return x.tp.all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps)
+        if self.feeds_linear and one_gpu_row(x):
+            if residual is None:
+                return RowPrologue(x, self.weight, self.eps), x
+            if x.is_contiguous() and residual.is_contiguous():
+                new_residual = torch.empty_like(x)
+                prologue = RowPrologue(x, self.weight, self.eps, residual, new_residual)
+                return prologue, new_residual
+        return add_rms_norm(x, residual, self.weight, self.eps)

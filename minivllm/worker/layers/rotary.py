@@ -1,15 +1,12 @@
-"""Rotary position embedding (NeoX / HF rotate_half layout) with a precomputed cos/sin table."""
+"""Rotary position embedding (NeoX / HF rotate_half layout), with Qwen3's per-head q/k norm."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from minivllm.worker.layers import ops
-from minivllm.worker.layers.norm import RMSNorm
-from minivllm.worker.ops._triton import HAS_TRITON
 from minivllm.worker.ops.rotary import build_cos_sin_cache, qk_norm_rope
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -29,11 +26,38 @@ def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, params
 
 
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each attention head's vector (Qwen3's q_norm and k_norm). The rotary
+    embedding after it applies it, in the same pass as the rotation (one kernel on CUDA): x
+    comes back as `HeadNormed`."""
+
+    def __init__(self, head_dim: int, eps: float, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(head_dim, dtype=params_dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> HeadNormed:
+        return HeadNormed(x, self.weight, self.eps)
+
+
+class HeadNormed(NamedTuple):
+    """q or k [T, heads, head_dim] still to be normed per head with `weight`."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+QK = torch.Tensor | HeadNormed
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their token positions, after the optional per-head q/k RMSNorm
-    (Qwen3). One table of cos|sin for every position up to max_positions, float32, built once
-    and shared by all layers. On CUDA, norm and rotation are one in-place kernel, which can
-    also write the layer's k/v into its KV cache."""
+    """Rotates q and k by their token positions, from one table of cos|sin for every
+    position up to max_positions, float32, built once and shared by all layers. q and k given
+    as `HeadNormed` are normed per head first, in the same pass.
+
+    On CUDA the rotation is left to the attention layer, as a `PendingRotation`: one kernel
+    there norms, rotates and writes k and v into the KV cache."""
 
     def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -43,44 +67,38 @@ class RotaryEmbedding(nn.Module):
         )
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
-    @staticmethod
-    def can_store_kv(q: torch.Tensor) -> bool:
-        """Whether `forward` on tensors like q can also store k/v (the Triton kernel)."""
-        return q.is_cuda and HAS_TRITON
-
     def forward(
+        self, positions: torch.Tensor, q: QK, k: QK
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[PendingRotation, PendingRotation]:
+        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
+        pending = PendingRotation(positions, q, k, self.cos_sin_cache)
+        if (q.x if isinstance(q, HeadNormed) else q).is_cuda:
+            return pending, pending
+        return pending.apply()
+
+
+class PendingRotation(NamedTuple):
+    """q and k still to be rotated at `positions` (see RotaryEmbedding); both at once."""
+
+    positions: torch.Tensor
+    q: QK
+    k: QK
+    cos_sin_cache: torch.Tensor
+
+    def apply(
         self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
         v: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]. Given v, kv_cache
-        and slot_mapping (only where `can_store_kv`), the rotated k and v also go into
-        kv_cache at slot_mapping, as `ops.rotary.qk_norm_rope` describes."""
-        if kv_cache is not None and not self.can_store_kv(q):
-            raise ValueError("the rotary kernel stores k/v only on CUDA with triton")
-        if q.is_cuda:
-            apply_norm = q_norm is not None and k_norm is not None
-            qk_norm_rope(
-                q,
-                k,
-                q_norm.weight if apply_norm else None,
-                k_norm.weight if apply_norm else None,
-                self.cos_sin_cache,
-                positions,
-                q_norm.eps if apply_norm else 0.0,
-                apply_norm,
-                v,
-                kv_cache,
-                slot_mapping,
-            )
+        """Norms (for `HeadNormed`) and rotates q and k in place and returns them. Given v,
+        kv_cache and slot_mapping, the rotated k and v also go into kv_cache at slot_mapping
+        in the same pass, as `ops.rotary.qk_norm_rope` describes."""
+        q, k = self.q, self.k
+        if not isinstance(q, HeadNormed):
+            qk_norm_rope(q, k, None, None, self.cos_sin_cache, self.positions, 0.0, False,
+                         v, kv_cache, slot_mapping)  # fmt: skip
             return q, k
-        if q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return ops.apply_rope(q, k, cos, sin)
+        qk_norm_rope(q.x, k.x, q.weight, k.weight, self.cos_sin_cache, self.positions, q.eps,
+                     True, v, kv_cache, slot_mapping)  # fmt: skip
+        return q.x, k.x

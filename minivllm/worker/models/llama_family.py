@@ -16,7 +16,10 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.layer import PagedAttention, forward_batch
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.distributed.parallel_state import TPGroup
+from minivllm.worker.layers.activation import SiluAndMul
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -24,8 +27,7 @@ from minivllm.worker.layers.linear import (
     RowParallelLinear,
 )
 from minivllm.worker.layers.norm import RMSNorm
-from minivllm.worker.layers.parallel_state import TPGroup
-from minivllm.worker.layers.rotary import RotaryEmbedding
+from minivllm.worker.layers.rotary import HeadRMSNorm, RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded, default_weight_loader
 
 
@@ -52,10 +54,6 @@ class Attention(nn.Module):
         hf = config.hf_config
         hidden, head_dim = int(hf["hidden_size"]), config.head_dim
         bias = variant.qkv_bias or bool(hf.get("attention_bias", False))
-        self.layer_idx = layer_idx
-        self.backend = backend
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             hidden,
             head_dim,
@@ -65,39 +63,31 @@ class Attention(nn.Module):
             bias=bias,
             params_dtype=params_dtype,
         )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             hidden,
             tp,
             bias=bool(hf.get("attention_bias", False)) and not variant.qkv_bias,
             params_dtype=params_dtype,
-            reduce_results=False,  # summed over the ranks with the next add + norm
         )
         self.rotary_emb = rotary_emb  # shared by all layers
         eps = float(hf["rms_norm_eps"])
-        self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.q_norm = HeadRMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.k_norm = HeadRMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.attn = PagedAttention(layer_idx, backend, scale=head_dim**-0.5)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Attention from this layer's qkv projection (the caller runs `qkv_proj`, fused with
-        the norm before it); returns o_proj's partial sum (summed over TP ranks later)."""
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
-        k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        # on CUDA the rotary kernel can also write k/v into the cache: one store kernel less
-        kv_stored = self.backend.fuses_kv_store and self.rotary_emb.can_store_kv(q)
-        store = (v, kv_cache, meta.slot_mapping) if kv_stored else (None, None, None)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, *store)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_stored=kv_stored)
-        return self.o_proj(out.reshape(-1, q_size))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (-1, self.head_dim))
+        k = k.unflatten(-1, (-1, self.head_dim))
+        v = v.unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
@@ -111,15 +101,11 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
         )
-        # partial sums, reduced with the next layer's add + norm
-        self.down_proj = RowParallelLinear(
-            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False
-        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, params_dtype=params_dtype)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) from the gate_up projection (run by the caller, fused with
-        the norm before it); returns down's partial sum over the TP ranks."""
-        return self.down_proj(gate_up, silu_mul_input=True)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,34 +121,24 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
-        self.tp = tp
         self.self_attn = Attention(
             config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
         )
         self.mlp = MLP(config, tp, params_dtype)
-        self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's MLP output as a partial sum over the TP ranks, or for
-        the first layer (residual None) the embeddings. Returns this layer's (partial MLP
-        output, residual stream). The residual stream is carried separately so each norm can
-        fuse the add, the TP sum and, at batch 1, the projection after it."""
-        attn, mlp = self.self_attn, self.mlp
-        tp = self.tp if residual is not None else None
-        qkv, residual = self.input_layernorm.then_linear(hidden, residual, attn.qkv_proj, tp)
-        hidden = attn(positions, qkv, kv_cache, meta)
-        gate_up, residual = self.post_attention_layernorm.then_linear(
-            hidden, residual, mlp.gate_up_proj, self.tp
-        )
-        return mlp(gate_up), residual
+        """hidden: the previous layer's output (with TP a `PartialSum`), or for the first layer
+        (residual None) the embeddings. Returns this layer's output and the residual stream,
+        carried separately so each norm can fuse the add (and, with TP, the sum over ranks)."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):
@@ -176,7 +152,6 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
-        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
         self.layers = nn.ModuleList(
@@ -185,17 +160,11 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual, self.tp)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
@@ -239,11 +208,14 @@ class CausalLM(nn.Module):
         """input_ids, positions: int64 [T]; kv_caches: one per layer. Returns hidden [T, hidden].
 
         Each layer writes this step's keys/values into its cache at meta.slot_mapping."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        with forward_batch(meta, kv_caches):
+            return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype, the full vocabulary
+        on every rank (the sampler reads 16-bit logits as they are: a float32 copy would
+        cost a pass)."""
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Copy HF-named checkpoint tensors (or safetensors slices) into this rank's params.

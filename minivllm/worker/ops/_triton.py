@@ -29,25 +29,6 @@ def interpreting() -> bool:
     return HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _patch_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns scalar tensors (numpy shape (1,)) into loop bounds with
-    `int(array)`, which numpy >= 2.4 refuses; index through the single element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope) -> None:  # noqa: ANN001 - triton internals
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    if getattr(original, "__name__", "") != "patch":
-        interpreter._patch_lang_tensor = patch
-
-
-if interpreting():
-    _patch_interpreter_scalar_index()
-
-
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernel (rather than the torch fallback) should handle `x`."""
     return HAS_TRITON and (x.is_cuda or interpreting())

@@ -70,15 +70,20 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    new_res: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, x.shape[-1])
-    res2 = new_res = new_res2 = None
+    res2 = new_res2 = None
     if residual is not None:
         res2 = _rows(residual)
-        new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if new_res is None:
+            new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         new_res2 = new_res.view(-1, x.shape[-1])
     n_cols = x.shape[-1]
     block = next_power_of_2(n_cols)
@@ -112,11 +117,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    new_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), both new tensors (the inputs are not modified)."""
+    """(rms_norm(x + residual), x + residual), both new tensors (the inputs are not modified);
+    x + residual goes into `new_residual` when given (contiguous, like x)."""
     if not use_triton(x):
-        return fused_add_rms_norm_torch(x, residual, weight, eps)
-    out, new_residual = _launch(x, residual, weight, eps)
+        out, new = fused_add_rms_norm_torch(x, residual, weight, eps)
+        return out, new if new_residual is None else new_residual.copy_(new)
+    out, new_residual = _launch(x, residual, weight, eps, new_residual)
     assert new_residual is not None
     return out, new_residual
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm`, or without a residual (rms_norm(x), x): a decoder's norm and
+    the residual stream after it, whether or not a stream exists yet."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)

@@ -1,11 +1,13 @@
-"""Token sampling on the device without host syncs: greedy, or Gumbel-max with filtering.
+"""Token sampling: greedy, or a seeded random draw after min-p, top-k and top-p.
 
-A random row draws argmax(logits / T + g) where g is Gumbel noise from Philox keyed by
-(seed, position, vocab index): the same request at the same position draws the same token
-whatever else is in the batch. Filters (min-p, then top-k, then top-p over what min-p and
-top-k kept, the vLLM order) become one per-row threshold on the raw logits; the kernel skips
-tokens below it. Without top-k/top-p the whole sampler is one pass over the logits (plus a row
-max when min-p is given); with them a torch.sort finds the thresholds, still on the device.
+On CUDA (or the Triton interpreter) one kernel draws without a host sync: a random row takes
+argmax(logits / T + g) with g Gumbel noise from Philox keyed by (seed, position, vocab index),
+so the same request at the same position draws the same token whatever else is in the batch.
+Filters (min-p, then top-k, then top-p over what min-p and top-k kept, the vLLM order) become
+one per-row threshold on the raw logits; the kernel skips tokens below it. Without top-k/top-p
+the draw is one pass over the logits (plus a row max when min-p is given); with them a
+torch.sort finds the thresholds, still on the device. `sample_shard` draws from one rank's
+slice of the vocabulary. Elsewhere `sample_reference` gives the same semantics in torch.
 """
 
 from __future__ import annotations
@@ -184,7 +186,10 @@ def sample_shard(
     (logit / T + its Gumbel noise; the logit for greedy rows) as float32 and its global index
     as int64. The noise is the one `sample` draws for that global index, so the best of the
     ranks' bests (the first on ties) is exactly the token `sample` picks from the whole row.
+    CPU tensors (outside the Triton interpreter) go to `sample_shard_reference`.
     """
+    if not use_triton(logits):
+        return sample_shard_reference(logits, temperature, seeds, positions, vocab_start, vocab_end)
     part_val, part_idx = _sample_chunks(
         logits, temperature, None, seeds, positions, vocab_start, vocab_end
     )
@@ -230,18 +235,92 @@ def sample_reference(
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """`sample`'s semantics in plain torch (a loop over random rows, host syncs included);
-    the random numbers differ from the kernel's, but are also keyed by (seed, position)."""
-    logits32 = logits.float()
+    """`sample`'s semantics in plain torch, all rows at once (the CPU sampler). The Gumbel
+    noise is a counter-based function of (seed, position, index) here too, but not the
+    kernel's Philox numbers."""
+    greedy_ids = argmax_rows(logits)
+    is_random = temperature >= GREEDY_EPS
+    if not bool(is_random.any()):
+        return greedy_ids
+    scores = _gumbel_scores(logits, temperature, seeds, positions, 0)
     threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
-    out = logits32.argmax(-1)
-    for i in torch.nonzero(temperature >= GREEDY_EPS).flatten().tolist():
-        row = logits32[i]
-        if threshold is not None:
-            row = row.masked_fill(row < threshold[i], float("-inf"))
-        probs = (row / temperature[i]).softmax(-1)
-        key = (int(seeds[i]) * 0x9E3779B97F4A7C15 + int(positions[i])) % 2**63
-        gen = torch.Generator(device=logits.device).manual_seed(key)
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        out[i] = (probs / noise).argmax()  # exponential race == Gumbel-max
-    return out
+    if threshold is not None:
+        scores = scores.masked_fill(logits.float() < threshold[:, None], float("-inf"))
+    return torch.where(is_random, argmax_rows(scores), greedy_ids)
+
+
+def sample_shard_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_start: int,
+    vocab_end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_shard`'s semantics in plain torch: the noise of a global index is the one
+    `sample_reference` draws for it, so the ranks' best agree with the whole row's draw."""
+    logits = logits[:, : vocab_end - vocab_start]
+    greedy = (temperature < GREEDY_EPS)[:, None]
+    scores = _gumbel_scores(logits, temperature, seeds, positions, vocab_start)
+    scores = torch.where(greedy, logits.float(), scores)
+    best = argmax_rows(scores)[:, None]
+    return scores.gather(1, best).squeeze(1), best.squeeze(1) + vocab_start
+
+
+def _gumbel_scores(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_start: int,
+) -> torch.Tensor:
+    """logits / T + Gumbel noise, float32 [N, V]; column i holds global index vocab_start + i."""
+    t = torch.where(temperature >= GREEDY_EPS, temperature, torch.ones_like(temperature))
+    noise = gumbel_noise(seeds, positions, vocab_start, logits.shape[-1])
+    return logits.float() / t[:, None] + noise
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim; on the CPU through numpy, which is ~10x faster than
+    torch's CPU argmax (1.7 ms against 0.16 ms for [256, 4096] float32). Both pick the first
+    maximum, and NaN counts as the maximum in both."""
+    if x.device.type == "cpu" and not x.requires_grad and x.dtype != torch.bfloat16:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(0x9E3779B97F4A7C15),
+    _signed(0xBF58476D1CE4E5B9),
+    _signed(0x94D049BB133111EB),
+)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    # int64 products wrap around, which is the arithmetic splitmix64 wants
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_start: int, width: int
+) -> torch.Tensor:
+    """Gumbel noise float32 [N, width], element (r, i) a fixed function of (seeds[r],
+    positions[r], vocab_start + i): a row's draw never depends on the rest of the batch, and
+    all rows are drawn in a few vectorized ops."""
+    row_key = _splitmix(seeds.long() * _GOLDEN + positions.long())
+    index = torch.arange(vocab_start, vocab_start + width, device=seeds.device)
+    bits = _splitmix(row_key[:, None] + (index[None, :] + 1) * _GOLDEN)
+    # 24 random bits -> a uniform in (0, 1), never 0 or 1
+    uniform = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))

@@ -1,21 +1,20 @@
-"""One-shot all-reduce in Triton over symmetric (peer-mapped) GPU memory, for the messages of
-a decode step on 2-8 GPUs of one host; and the same all-reduce fused with the residual add
-and RMSNorm that follow it in a decoder (`all_reduce_add_rms_norm`).
+"""The TP all-reduce of a decode step's messages on 2-8 GPUs of one host, in Triton over
+symmetric (peer-mapped) GPU memory: a one-shot all-reduce, and the same all-reduce fused with
+the residual add and RMSNorm that follow it in a decoder (`all_reduce_add_rms_norm`). Larger
+messages go to NCCL (TPGroup decides, with `fits` and `fits_rows`). On 2 x H200, 2 MiB of
+bf16 in a CUDA graph: 11.0 µs against NCCL's 37.9 (benchmarks/allreduce_gpu.py).
 
-Every rank owns one symmetric buffer; its peers have it mapped and read it directly. The
-plain kernel cuts the message into 16 KiB slices, and slice s always belongs to program
+Every rank owns one symmetric buffer; its peers have it mapped and read or write it directly.
+The plain kernel cuts the message into 16 KiB slices, and slice s always belongs to program
 s % max_blocks (at most one program per SM, so a launch never waits for its own programs to
 finish). A program:
 
-  1. copies its slices of the local input into this rank's buffer (skipped when the input
-     already lives there: the view `buffer_for` hands out);
+  1. copies its slices of the local input into this rank's buffer;
   2. meets the same program on every peer: one thread per peer stores the program's epoch
      into that peer's flag for (program, this rank) with release semantics at system scope,
      then spins with acquire loads on its own flag for (program, that peer);
   3. loads its slices from every rank's buffer (16-byte vector loads), sums them in fp32 in
-     rank order (so every rank gets the same bits) and writes the sum to a new tensor;
-  4. only when the input was read in place: meets the peers once more, so that no rank
-     returns, and lets its producer overwrite the buffer, before the peers have read it.
+     rank order (so every rank gets the same bits) and writes the sum to a new tensor.
 
 The fused kernel takes [T, H] rows, as the norm needs whole rows: row t always belongs to
 program t % max_blocks. It pushes instead of pulling: the program stores its rows, one after
@@ -26,43 +25,39 @@ whose release now also publishes those stores; then it reads what every peer pus
 its own memory and per row sums in rank order exactly as step 3, rounds to the dtype,
 adds the residual (rounded to the dtype: the new residual), and normalises in fp32 with the
 rounding steps of ops/norm.py, whose kernel it mirrors (same block, warps and reduction
-layout), so its outputs are bit-equal to `all_reduce` then `ops.fused_add_rms_norm`. It
+layout), so its outputs are bit-equal to `all_reduce` then `ops.norm.fused_add_rms_norm`. It
 has its own flags, its own epochs and its own two staging regions: the two kernels share
 nothing but the peer mappings, so each one's argument below holds for its own calls,
-whatever the other does in between (another kernel on the stream only adds to the ordering
-the argument uses).
+whatever the other does in between.
 
 Epochs: each program keeps a counter in device memory (`epochs`, one per program and kernel),
 raised by one per call that runs it. All ranks make the same calls with the same shapes, so
 program b's counter is equal on every rank, and a flag that has reached the caller's epoch
 means the peer has arrived. A peer may be one call ahead (it may pass this program's barrier
-and, in copy-in mode, enter its next call), so a waiter accepts any flag >= its epoch (32-bit
-wraparound compare); it can never be two calls ahead, as that needs this rank's next signal.
-Nothing is reset and the host keeps no count, so back-to-back calls, eager calls between CUDA
-graph replays and several graphs replayed in any order all work.
+and enter its next call), so a waiter accepts any flag >= its epoch (32-bit wraparound
+compare); it can never be two calls ahead, as that needs this rank's next signal. Nothing is
+reset and the host keeps no count, so back-to-back calls, eager calls between CUDA graph
+replays and several graphs replayed in any order all work.
 
-Buffer reuse: the copy-in paths need no second barrier, because each alternates between two
-staging regions by the parity of the program's epoch. The bytes a program stages to are its
-own whatever the shape (its slices in its own buffer; its lane, as a sender, in a peer's
-buffer, which no other program touches), and a rank writes them again, in the same region,
-only two of that program's calls later; the call between ends on this rank only after the
-reader's same program signalled in it, i.e. after the reader's previous kernel, the one
-that read the region, had finished. (Staging rows at their offset in the message would
-break this: after a change of row length, a program could write bytes that another program,
-whose epoch had the same parity, staged in the call before and a peer is still reading.)
-The in-place path writes a third region, which the producer fills before the kernel starts;
-there the second barrier is what keeps the producer of the next call from overwriting data a
-peer is still reading.
+Buffer reuse needs no second barrier, because each kernel alternates between two staging
+regions by the parity of the program's epoch. The bytes a program stages to are its own
+whatever the shape (its slices in its own buffer; its lane, as a sender, in a peer's buffer,
+which no other program touches), and a rank writes them again, in the same region, only two
+of that program's calls later; the call between ends on this rank only after the reader's
+same program signalled in it, i.e. after the reader's previous kernel, the one that read the
+region, had finished. (Staging rows at their offset in the message would break this: after
+a change of row length, a program could write bytes that another program, whose epoch had
+the same parity, staged in the call before and a peer is still reading.)
 
 Contract: every rank calls `all_reduce` and `all_reduce_add_rms_norm` in the same order with
 the same shapes and dtypes, on one stream (or inside CUDA graphs captured from one stream).
 Launches never allocate beyond their outputs and never synchronise with the host; the grid
-depends only on the shape. NVLink multicast (multimem) is never used.
+depends only on the shape. NVLink multicast (multimem) is never used: some GPU hosts do not
+permit it, and setting it up there fails or hangs.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -70,14 +65,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from minivllm.worker.layers.symm_all_reduce import (
-    SymmMemUnavailable,
-    check_peer_access,
-    create_or_none,
-    on_every_rank,
-    symm_mem_problem,
-)
-from minivllm.worker.layers.triton_all_reduce_kernels import (
+from minivllm.worker.distributed.triton_all_reduce_kernels import (
     _one_shot_add_rms_norm_kernel,
     _one_shot_kernel,
 )
@@ -97,20 +85,24 @@ _ROW_ROOM = 16 << 10  # bytes a lane holds beyond its share of max_bytes: any ro
 _LANE_ALIGN = 1024
 
 
+class SymmMemUnavailable(RuntimeError):
+    """Symmetric memory cannot serve this group (raised on every rank of it alike)."""
+
+
 def buffer_layout(max_bytes: int, max_blocks: int, world_size: int) -> tuple[int, int, int]:
     """(flag bytes, lane bytes, total bytes) of each rank's buffer. The flags lead it: a row
-    per program for each meeting (the plain kernel's two, then the fused kernel's). Then the
-    data: regions 0 (in place), 1 and 2 (copy-in, by parity) of max_bytes for the plain
-    kernel; regions 3 and 4 (by parity) of world_size x max_blocks lanes (by sender, then
-    program) for the fused one, a lane holding its program's share of a max_bytes message
-    and a row of up to _ROW_ROOM bytes more."""
-    flag_bytes = -(-3 * max_blocks * world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
+    per program for each kernel's meeting (the plain kernel's, then the fused kernel's). Then
+    the data: regions 0 and 1 (by parity) of max_bytes for the plain kernel; regions 2 and 3
+    (by parity) of world_size x max_blocks lanes (by sender, then program) for the fused one,
+    a lane holding its program's share of a max_bytes message and a row of up to _ROW_ROOM
+    bytes more."""
+    flag_bytes = -(-2 * max_blocks * world_size * 4 // _FLAG_ALIGN) * _FLAG_ALIGN
     share, room = -(-max_bytes // max_blocks), min(max_bytes, _ROW_ROOM)
     lane_bytes = sum(-(-n // _LANE_ALIGN) * _LANE_ALIGN for n in (share, room))
     return (
         flag_bytes,
         lane_bytes,
-        flag_bytes + 3 * max_bytes + 2 * world_size * max_blocks * lane_bytes,
+        flag_bytes + 2 * max_bytes + 2 * world_size * max_blocks * lane_bytes,
     )
 
 
@@ -120,12 +112,8 @@ class TritonAllReduce:
     The constructor is collective: every rank of the group calls it, and if any rank cannot
     set it up, every rank raises SymmMemUnavailable. `all_reduce` takes only tensors `fits`
     accepts, `all_reduce_add_rms_norm` only rows `fits_rows` accepts; like any collective,
-    both must be called by every rank in the same order. To skip the copy into the symmetric
-    buffer, write the message into `buffer_for(shape, dtype)` and pass that view to
-    `all_reduce`.
+    both must be called by every rank in the same order.
     """
-
-    algorithm = "triton"
 
     def __init__(self, group: Any, device: torch.device, max_bytes: int) -> None:
         if max_bytes <= 0:
@@ -138,8 +126,8 @@ class TritonAllReduce:
         self.max_bytes = -(-max_bytes // _VECTOR) * _VECTOR
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
-        # peer loads and stores only, never NVLink multicast (see symm_all_reduce.py); read
-        # at allocation and rendezvous time, so set before either
+        # peer loads and stores only: rendezvous would otherwise set up NVLink multicast
+        # wherever the driver offers it. Read at allocation and rendezvous, so set before
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         from torch.distributed import _symmetric_memory as symm_mem
@@ -168,11 +156,6 @@ class TritonAllReduce:
         self._epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
         self._row_epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
         self._agree(self._check_sum)
-
-    @classmethod
-    def create(cls, group: Any, device: torch.device, max_bytes: int) -> TritonAllReduce | None:
-        """The communicator, or None after one log line saying why (every rank alike)."""
-        return create_or_none(lambda: cls(group, device, max_bytes), group, "Triton one-shot")
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether all_reduce takes x: small enough, a dtype it has, 16-byte aligned."""
@@ -214,24 +197,15 @@ class TritonAllReduce:
             )
         )
 
-    def buffer_for(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A view of this rank's symmetric buffer to write the next message into; passing it
-        to all_reduce skips the copy. Valid until that call; the same view every time."""
-        numel = math.prod(shape)
-        if dtype not in DTYPES or numel * dtype.itemsize > self.max_bytes:
-            raise ValueError(f"no room for {tuple(shape)} {dtype} (up to {self.max_bytes} bytes)")
-        return self._data[dtype][self.rank][:numel].view(shape)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, in a new tensor; x is left as it was."""
-        data = self._data[x.dtype]
         out = torch.empty_like(x)
         nbytes = x.numel() * x.element_size()
         grid = (min(-(-nbytes // SLICE_BYTES), self.max_blocks),)
         _one_shot_kernel[grid](
             x,
             out,
-            data,
+            self._data[x.dtype],
             self._flag_table.data_ptr(),
             self.buffer.data_ptr(),
             self._epochs,
@@ -242,7 +216,6 @@ class TritonAllReduce:
             REGION=self.max_bytes // x.element_size(),
             SLICE=SLICE_BYTES // x.element_size(),
             VECTOR=_VECTOR // x.element_size(),
-            IN_PLACE=x.data_ptr() == data[self.rank].data_ptr(),
             num_warps=NUM_WARPS,
         )
         return out
@@ -251,8 +224,8 @@ class TritonAllReduce:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(s) * weight, s) with s = the sum of x over the group (+ residual), in new
-        tensors and one launch; bit-equal to all_reduce(x) then ops.fused_add_rms_norm (or
-        ops.rms_norm, and s itself, without a residual). Takes only what fits_rows accepts;
+        tensors and one launch; bit-equal to all_reduce(x) then ops.norm.fused_add_rms_norm (or
+        ops.norm.rms_norm, and s itself, without a residual). Takes only what fits_rows accepts;
         x and residual are left as they were."""
         rows, cols = x.shape
         if weight.shape != (cols,) or not weight.is_contiguous() or weight.device != x.device:
@@ -276,7 +249,7 @@ class TritonAllReduce:
             RANK=self.rank,
             WORLD=self.world_size,
             MAX_BLOCKS=self.max_blocks,
-            LANES=3 * self.max_bytes // size,
+            LANES=2 * self.max_bytes // size,
             LANE=self.lane_bytes // size,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
@@ -306,11 +279,10 @@ class TritonAllReduce:
         size = self.world_size
         for dtype in DTYPES:  # two programs' worth where the buffer has room
             numel = min(SLICE_BYTES + 256, self.max_bytes) // dtype.itemsize
-            x = torch.full((numel,), self.rank + 1.0, dtype=dtype)
-            staged = self.buffer_for(x.shape, dtype)
-            for got in (self.all_reduce(x.to(self.device)), self.all_reduce(staged.copy_(x))):
-                if not bool((got == size * (size + 1) / 2).all()):
-                    raise RuntimeError(f"a test all-reduce of {dtype} returned a wrong sum")
+            x = torch.full((numel,), self.rank + 1.0, dtype=dtype, device=self.device)
+            got = self.all_reduce(x)
+            if not bool((got == size * (size + 1) / 2).all()):
+                raise RuntimeError(f"a test all-reduce of {dtype} returned a wrong sum")
         # the fused kernel: a constant row c normalises to c / sqrt(c^2 + eps), about 1
         x = torch.full((2, 64), self.rank + 1.0, device=self.device)
         residual, weight = torch.ones_like(x), torch.ones(64, device=self.device)
@@ -330,10 +302,45 @@ class TritonAllReduce:
         return every.view(self.world_size, len(values)).tolist()
 
 
+def on_every_rank(group: Any, device: torch.device, step: Callable[[], T]) -> T:
+    """Run step here, then agree with the other ranks: raise SymmMemUnavailable everywhere
+    if it failed anywhere, so all ranks go on to the next (possibly collective) step or none
+    does."""
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = step()
+    except Exception as e:
+        error = e
+    ok = torch.tensor([error is None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if error is not None:
+        raise SymmMemUnavailable(f"{type(error).__name__}: {error}") from error
+    if not ok.item():
+        raise SymmMemUnavailable("symmetric-memory setup failed on another rank")
+    return result
+
+
+def check_peer_access(index: int, devices: list[int]) -> None:
+    """Every other rank's GPU must be another device that this one can reach directly."""
+    if devices.count(index) > 1:
+        raise RuntimeError(f"two ranks share GPU {index}")
+    for peer in devices:
+        if peer != index and not torch.cuda.can_device_access_peer(index, peer):
+            raise RuntimeError(f"GPU {index} has no peer access to GPU {peer}")
+
+
 def _problem_on_every_rank(group: Any, device: torch.device) -> str | None:
     """A reason this cannot work that every rank finds alike (no collective)."""
-    if problem := symm_mem_problem(group, device):
-        return problem
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"no CUDA device (device {device})"
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend:
+        return f"the process group's backend is {backend}, not NCCL"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"this torch build has no symmetric memory ({e})"
     if not HAS_TRITON:
         return "triton is not installed"
     if not 2 <= dist.get_world_size(group) <= MAX_WORLD_SIZE:

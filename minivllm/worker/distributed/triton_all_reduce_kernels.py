@@ -56,9 +56,9 @@ def _meet_peers(flag_table, my_flags, row, epoch, RANK: tl.constexpr, WORLD: tl.
 
 @triton.jit(do_not_specialize=["num_vectors"])
 def _one_shot_kernel(
-    x_ptr,  # this rank's input; in place: the start of this rank's region 0
+    x_ptr,  # this rank's input
     out_ptr,
-    bufs,  # WORLD tensors: each rank's data area (regions 0, 1, 2 of REGION elements)
+    bufs,  # WORLD tensors: each rank's data area (regions 0 and 1 of REGION elements)
     flag_table,  # device address of WORLD addresses: each rank's flags
     my_flags,  # device address of this rank's flags
     epochs,  # int32[MAX_BLOCKS]: calls run so far, per program (this rank only)
@@ -69,22 +69,18 @@ def _one_shot_kernel(
     REGION: tl.constexpr,
     SLICE: tl.constexpr,
     VECTOR: tl.constexpr,  # elements per 16 bytes
-    IN_PLACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1
     numel = num_vectors * VECTOR
     num_slices = tl.cdiv(numel, SLICE)
     cols = tl.arange(0, SLICE)
-    if IN_PLACE:
-        region = 0
-    else:
-        region = (1 + (epoch & 1)) * REGION
-        for s in range(pid, num_slices, MAX_BLOCKS):
-            offs = s * SLICE + cols
-            mask = offs < numel
-            tl.store(bufs[RANK] + region + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-        tl.debug_barrier()  # every thread's copy precedes the release below
+    region = (epoch & 1) * REGION
+    for s in range(pid, num_slices, MAX_BLOCKS):
+        offs = s * SLICE + cols
+        mask = offs < numel
+        tl.store(bufs[RANK] + region + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's copy precedes the release below
     _meet_peers(flag_table, my_flags, pid * WORLD, epoch, RANK, WORLD)
     tl.debug_barrier()  # the acquiring threads' view passes to the whole program
     for s in range(pid, num_slices, MAX_BLOCKS):
@@ -98,9 +94,6 @@ def _one_shot_kernel(
                 peer = tl.load(bufs[r] + region + offs, mask=mask, cache_modifier=".cg")
                 acc += peer.to(tl.float32)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if IN_PLACE:
-        tl.debug_barrier()  # every thread's peer loads precede the release below
-        _meet_peers(flag_table, my_flags, (MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
     tl.store(epochs + pid, epoch)
 
 
@@ -121,8 +114,8 @@ def _one_shot_add_rms_norm_kernel(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     MAX_BLOCKS: tl.constexpr,
-    LANES: tl.constexpr,  # where region 3 (lanes of the even epochs) starts, in elements
-    LANE: tl.constexpr,  # elements per lane; region 4 (odd epochs) follows region 3
+    LANES: tl.constexpr,  # where region 2 (lanes of the even epochs) starts, in elements
+    LANE: tl.constexpr,  # elements per lane; region 3 (odd epochs) follows region 2
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
@@ -139,7 +132,7 @@ def _one_shot_add_rms_norm_kernel(
             if r != RANK:
                 tl.store(bufs[r] + sent + j * n_cols + cols, x, mask=mask)
     tl.debug_barrier()  # every thread's stores precede the release below
-    _meet_peers(flag_table, my_flags, (2 * MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
+    _meet_peers(flag_table, my_flags, (MAX_BLOCKS + pid) * WORLD, epoch, RANK, WORLD)
     tl.debug_barrier()  # the acquiring threads' view passes to the whole program
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for j in range(my_rows):

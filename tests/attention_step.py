@@ -1,0 +1,24 @@
+"""One layer's attention as a model runs it, for the backend tests."""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.layer import PagedAttention, forward_batch
+from minivllm.worker.attention.metadata import AttentionMetadata
+
+
+def attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store k/v into kv_cache at meta.slot_mapping, then attend: `PagedAttention` of the
+    only layer, in a forward batch of its cache."""
+    with forward_batch(meta, [kv_cache]):
+        return PagedAttention(0, backend, scale)(q, k, v)
