@@ -12,6 +12,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
+_CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class EngineArgs:
             )
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
-            kv_bytes = int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GIB", "1")) * (1 << 30))
+            kv_bytes = _CPU_KV_CACHE_BYTES
         return EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
