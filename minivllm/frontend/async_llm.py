@@ -12,7 +12,6 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
-from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
@@ -52,7 +51,7 @@ class AsyncLLM:
     def connect(cls, address: str) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
         client = AsyncMPClient.connect(address)
-        return cls(attached_engine_config(client.info).model, client)
+        return cls(client.engine_config().model, client)
 
     @property
     def errored(self) -> bool:

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from minivllm import envs
-from minivllm.config import EngineConfig
+from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
@@ -140,6 +140,17 @@ class _MPClient:
             if isinstance(msg, reply):
                 return msg
         raise EngineStartupError(f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S} s")
+
+    def engine_config(self) -> EngineConfig:
+        """The config to work with when attached to a daemon, from its `EngineCoreInfo`
+        (the model directory must be readable here too: its tokenizer and config are used)."""
+        args = EngineArgs(
+            model=self.info.model,
+            tokenizer=self.info.tokenizer,
+            max_model_len=self.info.max_model_len,
+            device="cpu",  # only the model's metadata is needed on this side
+        )
+        return args.create_engine_config()
 
     def _check_alive(self) -> None:
         if self.dead_reason is None:
