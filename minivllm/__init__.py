@@ -5,7 +5,7 @@ from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.async_llm import AsyncLLM
 from minivllm.frontend.llm import LLM
 from minivllm.frontend.llm_engine import LLMEngine
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "EngineDeadError",
     "EngineStartupError",
 ]

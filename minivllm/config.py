@@ -13,6 +13,7 @@ _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ModelConfig:
     hf_config: dict[str, Any]  # config.json as a plain dict
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask; -1: the vocabulary
+    logprobs_mode: str = "raw_logprobs"  # what logprobs hold: one of LOGPROBS_MODES
 
     @property
     def architecture(self) -> str:
@@ -142,6 +145,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     async_scheduling: bool = True
     distributed_executor_backend: str = "mp"
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,6 +168,12 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {_EXECUTORS}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -228,6 +239,8 @@ class EngineArgs:
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
             skip_tokenizer_init=self.skip_tokenizer_init,
+            max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:

@@ -9,6 +9,22 @@ from typing import Any
 
 
 @dataclass(slots=True)
+class Logprob:
+    """The log probability of one token at one position, its rank among all tokens (1 = the
+    most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one dict per position: the chosen (sampled or prompt) token first, then the top-k
+SampleLogprobs = list[dict[int, Logprob]]
+# the first prompt token has no logprob: its entry is None
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion (of `n`) of a request.
 
@@ -21,8 +37,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: Any = None
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs
+    logprobs: SampleLogprobs | None = None  # when SamplingParams.logprobs was given
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -44,7 +60,8 @@ class RequestOutput:
 
     `request_id` is the id the user gave (not the engine-internal one). `finished` is True
     once every completion has finished; `num_cached_tokens` counts prompt tokens served
-    from the prefix cache.
+    from the prefix cache. `prompt_logprobs` arrive whole with the first output (DELTA: only
+    then).
     """
 
     request_id: str
@@ -54,11 +71,13 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int | None = None
     metrics: Any = None
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs was given
 
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
-            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
             f"finished={self.finished}, metrics={self.metrics}, "
             f"num_cached_tokens={self.num_cached_tokens})"
         )

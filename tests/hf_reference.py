@@ -39,3 +39,9 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             )
             outs.append(out[0, len(p) :].tolist())
     return outs
+
+
+def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(tokens), vocab]: row i predicts token i + 1."""
+    with torch.no_grad():
+        return _hf_model(path)(torch.tensor([tokens])).logits[0].float()

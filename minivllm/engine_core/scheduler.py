@@ -18,12 +18,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import msgspec
+
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -52,6 +55,8 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        # req_id -> prompt logprobs received so far, sent with the request's first token
+        self.prompt_logprobs: dict[str, list[LogprobsArrays]] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -185,7 +190,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it has arrived
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            if _needs_prompt_logprobs(request):
+                hit_blocks, num_hit = [], 0
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -247,7 +255,26 @@ class Scheduler:
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
             out = self._make_output(request, new_token_ids)
             outputs.setdefault(request.client_id, []).append(out)
+        if runner.logprobs is not None or runner.prompt_logprobs:
+            self._attach_logprobs(outputs, runner)
         return outputs
+
+    def _attach_logprobs(self, outputs: ClientOutputs, runner: ModelRunnerOutput) -> None:
+        """Give each output the logprobs of its new tokens and, with its first token, those
+        of its whole prompt (gathered over the prefill chunks)."""
+        for req_id, part in runner.prompt_logprobs.items():
+            self.prompt_logprobs.setdefault(req_id, []).append(part)
+        rows = {runner.req_ids[i]: row for row, i in enumerate(runner.logprobs_req_idx)}
+        for client_outputs in outputs.values():
+            for out in client_outputs:
+                row = rows.get(out.request_id)
+                if row is not None and out.new_token_ids:
+                    out.new_logprobs = runner.logprobs.rows(row, row + len(out.new_token_ids))
+                if out.new_token_ids and (parts := self.prompt_logprobs.pop(out.request_id, None)):
+                    out.new_prompt_logprobs = LogprobsArrays.concat(parts)
+        for req_id in runner.prompt_logprobs:
+            if req_id not in self.requests:  # ended while this step ran
+                self.prompt_logprobs.pop(req_id, None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -269,6 +296,8 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
+        if not request.num_output_placeholders:  # else its last prompt chunk is in flight
+            self.prompt_logprobs.pop(request.request_id, None)  # recomputed, sent again
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -283,15 +312,20 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        self.prompt_logprobs.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and not _needs_prompt_logprobs(request):
+            # resumed after its first token: its prompt logprobs are out already
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
         return NewRequestData(
             req_id=request.request_id,
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
+            sampling_params=params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             sample_seed=request.sample_seed,
@@ -305,3 +339,8 @@ class Scheduler:
             request.stop_reason,
             max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
         )
+
+
+def _needs_prompt_logprobs(request: Request) -> bool:
+    """Prompt logprobs still to compute: the whole prompt runs, none of it from the cache."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -67,8 +67,18 @@ class InputProcessor:
         self._validate_params(params)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        min_tokens = min(params.min_tokens, max_tokens)
         params = msgspec.structs.replace(
-            params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens)
+            params,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            _bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            # what min_tokens masks: EOS (even with ignore_eos) and the stop token ids
+            _all_stop_token_ids=(
+                sorted({*self.eos_token_ids, *(params.stop_token_ids or ())})
+                if min_tokens
+                else None
+            ),
         )
         request = EngineCoreRequest(
             request_id=self.make_internal_id(request_id),
@@ -153,6 +163,27 @@ class InputProcessor:
             )
 
     def _validate_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        max_logprobs = self.model_config.max_logprobs
+        if max_logprobs == -1:
+            max_logprobs = vocab
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            num = getattr(params, name)
+            num = vocab if num == -1 else num
+            if num and num > max_logprobs:
+                raise ValueError(
+                    f"{name}: Requested {what} logprobs of {num}, which is greater than max "
+                    f"allowed: {max_logprobs}"
+                )
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab}"
+            )
+        bad = [t for t in params.allowed_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token id! ({bad})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, but skip_tokenizer_init=True")
         bad = next((t for t in params.stop_token_ids or [] if t > self.max_token_id), None)
@@ -161,6 +192,31 @@ class InputProcessor:
                 f"stop_token_ids: token id {bad} is out of vocabulary "
                 f"(valid ids are 0..{self.max_token_id})"
             )
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
+        """The token sequences `bad_words` forbids, as vLLM finds them: each word without a
+        leading space, and with one when that gives a different first token and as many
+        tokens (the form it takes inside a sentence)."""
+        if not bad_words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            bare = encode(self.tokenizer, word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            sequences.append(bare)
+            spaced = encode(self.tokenizer, " " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        bad = [t for ids in sequences for t in ids if not 0 <= t <= self.max_token_id]
+        if bad:
+            raise ValueError(
+                f"bad_words: the model vocabulary size is {self.max_token_id + 1}, but the "
+                f"following tokens were specified as bad: {bad}"
+            )
+        return sequences
 
 
 def _as_token_ids(ids: Any) -> list[int]:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.frontend.detokenizer import IncrementalDetokenizer
+from minivllm.frontend.logprobs import RequestLogprobs, TokenTexts
 from minivllm.frontend.parent_request import ParentRequest
 from minivllm.frontend.tokenizer import Tokenizer
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
@@ -80,10 +81,15 @@ def _merge_delta(prev: RequestOutput, new: RequestOutput) -> None:
             continue
         into.text += completion.text
         into.token_ids = into.token_ids + completion.token_ids
+        if completion.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + completion.logprobs
+        into.cumulative_logprob = completion.cumulative_logprob
         into.finish_reason = completion.finish_reason
         into.stop_reason = completion.stop_reason
     prev.finished = new.finished
     prev.num_cached_tokens = new.num_cached_tokens
+    if not prev.prompt_logprobs:
+        prev.prompt_logprobs = new.prompt_logprobs
 
 
 class RequestState:
@@ -100,6 +106,7 @@ class RequestState:
         parent: ParentRequest | None,
         index: int,
         queue: RequestOutputCollector | None = None,
+        logprobs: RequestLogprobs | None = None,
     ) -> None:
         self.internal_id = internal_id
         self.user_request_id = user_request_id
@@ -114,6 +121,12 @@ class RequestState:
         self.queue = queue  # where AsyncLLM's consumer waits; None: returned to the caller
         self.token_ids: list[int] = []  # all of them; not kept for DELTA
         self.num_cached_tokens = 0
+        self.logprobs = logprobs  # None unless (prompt) logprobs were asked for
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        """For the next RequestOutput (DELTA: only the first that has them)."""
+        return None if self.logprobs is None else self.logprobs.prompt_logprobs(self.delta)
 
     def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
         """Take one step's ids; return the stop string that ended the text, if any."""
@@ -137,14 +150,18 @@ class RequestState:
         text = ""
         if self.detokenizer is not None:
             text = self.detokenizer.get_next_output_text(finished, delta)
+        logprobs = cumulative = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs.sample_logprobs(len(new_token_ids) if delta else None)
+            cumulative = self.logprobs.cumulative_logprob
         # positional: a dataclass takes keywords at twice the cost, and this runs per token
         return CompletionOutput(
             self.index,
             text,
             # DELTA: the decoded message's own list, which nothing else holds
             new_token_ids if delta else list(self.token_ids),
-            None,
-            None,
+            cumulative,
+            logprobs,
             str(finish_reason) if finished else None,
             stop_reason,
         )
@@ -160,6 +177,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)
         self.request_states: dict[str, RequestState] = {}  # by internal id
         self.user_requests: dict[str, list[str]] = {}  # user id -> its unfinished internal ids
 
@@ -223,9 +241,11 @@ class OutputProcessor:
             raise ValueError(f"request_id: internal id {internal_id!r} is already running")
         if parent is None or index == 0:
             self._check_new_user_id(user_request_id)
-        detokenizer = None
+        detokenizer = logprobs = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            logprobs = RequestLogprobs(params.logprobs, params.prompt_logprobs, self.token_texts)
         self.request_states[internal_id] = RequestState(
             internal_id,
             user_request_id,
@@ -236,6 +256,7 @@ class OutputProcessor:
             parent,
             index,
             queue,
+            logprobs,
         )
         self.user_requests.setdefault(user_request_id, []).append(internal_id)
 
@@ -253,6 +274,8 @@ class OutputProcessor:
             if finish_reason == FinishReason.ERROR:
                 self._fail(state, out.error or "the engine-core reported an error", result)
                 continue
+            if state.logprobs is not None:
+                state.logprobs.add(out.new_logprobs, out.new_prompt_logprobs)
             stop_string = state.update(out.new_token_ids, finish_reason)
             if stop_string is not None:
                 if finish_reason is None:
@@ -358,4 +381,6 @@ class OutputProcessor:
             completions,
             finished,
             state.num_cached_tokens,
+            None,
+            state.prompt_logprobs,
         )

@@ -17,6 +17,7 @@ import enum
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -33,6 +34,40 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:
         return ("stop", "length", "abort", "error")[self.value]
+
+
+class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of n positions, one row each: column 0 is the position's own token (sampled,
+    or the prompt's next token), then the top-k by logprob (k may be 0). On the wire the
+    arrays are raw little-endian buffers (see serial.py), never Python objects per token."""
+
+    token_ids: np.ndarray  # int32 [n, 1 + k]
+    logprobs: np.ndarray  # float32 [n, 1 + k]: logprobs, or logits for the *_logits modes
+    ranks: np.ndarray  # int32 [n]: of the own token, how many tokens score at least as high
+
+    def rows(self, start: int, stop: int) -> LogprobsArrays:
+        return LogprobsArrays(
+            self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop]
+        )
+
+    @staticmethod
+    def concat(parts: list[LogprobsArrays]) -> LogprobsArrays:
+        """The rows of all parts; narrower parts are padded (ids -1, logprobs -inf) to the
+        widest, which a reader never looks at: each request reads its own top-k."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.token_ids.shape[1] for p in parts)
+        return LogprobsArrays(
+            np.concatenate([_pad(p.token_ids, width, -1) for p in parts]),
+            np.concatenate([_pad(p.logprobs, width, -np.inf) for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
+
+
+def _pad(a: np.ndarray, width: int, value: float) -> np.ndarray:
+    if a.shape[1] == width:
+        return a
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
 
 
 # ---------------------------------------------------------------- frontend ⇄ engine-core
@@ -88,6 +123,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason=ERROR
+    new_logprobs: LogprobsArrays | None = None  # one row per new token, if asked for
+    # the logprobs of prompt tokens 1.. (one row each), sent once, with the first token
+    new_prompt_logprobs: LogprobsArrays | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -191,6 +229,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # one list per request: the sampled ids, empty for a prefill chunk that samples nothing
     sampled_token_ids: list[list[int]] = []
     error: str | None = None  # the step failed; the engine turns this into a dead engine
+    # logprobs of the sampled tokens of the requests that asked (SamplingParams.logprobs),
+    # one row each, for the requests at logprobs_req_idx (indices into req_ids)
+    logprobs: LogprobsArrays | None = None
+    logprobs_req_idx: list[int] = []
+    # req_id -> logprobs of the prompt tokens this step's chunk predicted, in prompt order
+    prompt_logprobs: dict[str, LogprobsArrays] = {}
 
 
 class Rendezvous(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -34,13 +35,33 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0  # minus this for each token already in the output
+    frequency_penalty: float = 0.0  # minus this times its count in the output, per token
+    # logits of tokens in the prompt or the output: divided by this if positive, else times it
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one); -1: all
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed, with or without a leading space
+    # filled in by the frontend: the token ids of bad_words, and every id min_tokens masks
+    # (EOS even with ignore_eos, and stop_token_ids)
+    _bad_words_token_ids: list[list[int]] | None = None
+    _all_stop_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
         self._validate()
+        self._validate_logits_processing()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -75,6 +96,60 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
             )
+
+    def _validate_logits_processing(self) -> None:
+        """The fields vLLM added for logits processing, with vLLM's messages."""
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(
+                f"repetition_penalty must be a finite number, got {self.repetition_penalty}."
+            )
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+        if self.logit_bias is not None and not all(
+            isinstance(t, int) and math.isfinite(b) for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias must map integer token ids to finite numbers, got {self.logit_bias!r}"
+            )
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise ValueError("allowed_token_ids is not None and empty!")
+            if not all(isinstance(t, int) for t in self.allowed_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}"
+                )
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w for w in self.bad_words
+        ):
+            raise ValueError(
+                f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
+            )
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        return self._all_stop_token_ids or []
 
     @property
     def greedy(self) -> bool:

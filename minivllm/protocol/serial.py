@@ -3,13 +3,26 @@
 Frame layout::
 
     frame 0      one tag byte (which Struct) + the msgpack body of that Struct
-    frame 1      only if ids were moved out: msgpack list of slot numbers (see below)
-    frame 2..    one little-endian int32 buffer per slot, in the same order
+    frame 1      only if ids, logprobs or arrays were moved out: msgpack list of slot numbers
+    frame 2..    the moved-out buffers: one little-endian int32 buffer per id slot, in the
+                 same order, or the three logprobs buffers
+    then         one raw buffer per large numpy array, in the order the body names them
 
 With `MsgEncoder(aux_threshold=N)`, token-id lists longer than N
-(`EngineCoreRequest.prompt_token_ids`, `NewRequestData.token_ids`) leave the body: they are encoded there as `[]` and travel as raw int32 frames that ZMQ sends
-without copying. A slot names the list a frame belongs to: slot 0 is the request's prompt;
-slot i is `scheduled_new_reqs[i].token_ids` of a `SchedulerOutput`.
+(`EngineCoreRequest.prompt_token_ids`, `NewRequestData.token_ids`) leave the body: they are
+encoded there as `[]` and travel as raw int32 frames that ZMQ sends without copying. A slot
+names the list a frame belongs to: slot 0 is the request's prompt; slot i is
+`scheduled_new_reqs[i].token_ids` of a `SchedulerOutput`.
+
+The new tokens' logprobs of an `EngineCoreOutputs` leave the body the same way, all outputs'
+rows in three frames (int32 token ids, float32 logprobs, int32 ranks), so a step's logprobs
+cost three buffers rather than three per request; slot i is `outputs[i].new_logprobs`, with
+one row per token of `outputs[i].new_token_ids`.
+
+Any other numpy array (the `LogprobsArrays` fields) is `[dtype, shape, data]` in the body:
+`data` is the raw little-endian bytes of a small array, or, for one of `ARRAY_FRAME_BYTES` or
+more, the index of its own frame among the array frames that follow the moved-out ones. Only
+the dtypes in `_ARRAY_DTYPES` decode.
 
 Decoding only ever runs msgspec's typed decoder for the Struct class that the tag names and
 the socket allows, so no bytes received are ever unpickled or turned into code.
@@ -17,6 +30,7 @@ the socket allows, so no bytes received are ever unpickled or turned into code.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +45,7 @@ from minivllm.protocol.messages import (
     EngineCoreRequest,
     Heartbeat,
     InitKVCache,
+    LogprobsArrays,
     ModelRunnerOutput,
     Rendezvous,
     RouteReady,
@@ -78,6 +93,8 @@ ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 
 _INT32 = np.dtype("<i4")  # explicit byte order: tcp:// peers may differ in endianness
 Frames = list[bytes | memoryview]
+ARRAY_FRAME_BYTES = 4096  # smaller arrays travel inside the body
+_ARRAY_DTYPES = frozenset(["<i4", "<i8", "<f4", "<f8", "|b1", "|u1"])
 
 
 class ProtocolError(ValueError):
@@ -88,9 +105,10 @@ class MsgEncoder:
     """Encodes any registered message into frames. Not thread-safe: one per sending thread."""
 
     def __init__(self, aux_threshold: int | None = DEFAULT_AUX_THRESHOLD) -> None:
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._encode_array)
         self._slot_encoder = msgspec.msgpack.Encoder()
         self.aux_threshold = aux_threshold
+        self._array_frames: Frames = []  # of the message being encoded
 
     def encode(self, msg: msgspec.Struct) -> Frames:
         """Return the frames for `msg`; `msg` itself is never modified."""
@@ -100,16 +118,31 @@ class MsgEncoder:
         slots: list[int] = []
         aux: Frames = []
         if self.aux_threshold is not None:
-            msg = self._move_out_ids(msg, slots, aux)
+            msg = self._move_out(msg, slots, aux)
         # Writing after the tag byte saves concatenating a copy of the body.
         head = bytearray(tag)
-        self._encoder.encode_into(msg, head, 1)
-        if not slots:
+        self._array_frames = arrays = []
+        try:
+            self._encoder.encode_into(msg, head, 1)
+        finally:
+            self._array_frames = []
+        if not slots and not arrays:
             return [head]
-        return [head, self._slot_encoder.encode(slots), *aux]
+        return [head, self._slot_encoder.encode(slots), *aux, *arrays]
 
-    def _move_out_ids(self, msg: msgspec.Struct, slots: list[int], aux: Frames) -> Any:
+    def _encode_array(self, obj: Any) -> Any:
+        if not isinstance(obj, np.ndarray):
+            raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        arr = np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("<"))
+        if arr.nbytes < ARRAY_FRAME_BYTES or self.aux_threshold is None:
+            return (arr.dtype.str, arr.shape, arr.data)
+        self._array_frames.append(arr.data)
+        return (arr.dtype.str, arr.shape, len(self._array_frames) - 1)
+
+    def _move_out(self, msg: msgspec.Struct, slots: list[int], aux: Frames) -> Any:
         limit = self.aux_threshold
+        if type(msg) is EngineCoreOutputs:
+            return _move_out_logprobs(msg, slots, aux)
         if type(msg) is EngineCoreRequest:
             if len(msg.prompt_token_ids) > limit and _move_out(msg.prompt_token_ids, 0, slots, aux):
                 return msgspec.structs.replace(msg, prompt_token_ids=[])
@@ -137,8 +170,12 @@ class MsgDecoder:
         if unknown:
             raise TypeError(f"not registered wire messages: {unknown}")
         self.allowed = tuple(allowed)
-        self._decoders = {TAGS[cls][0]: msgspec.msgpack.Decoder(cls) for cls in allowed}
+        self._decoders = {
+            TAGS[cls][0]: msgspec.msgpack.Decoder(cls, dec_hook=self._decode_array)
+            for cls in allowed
+        }
         self._slot_decoder = msgspec.msgpack.Decoder(list[int])
+        self._local = threading.local()  # the array frames of the message being decoded
 
     def decode(self, frames: Sequence[bytes | memoryview | Any]) -> Any:
         """Decode `frames` (bytes, memoryviews or zmq.Frames) into an allowed Struct."""
@@ -154,21 +191,41 @@ class MsgDecoder:
                 raise ProtocolError(f"unknown message tag {tag:#04x}")
             raise ProtocolError(f"{cls.__name__} is not allowed on this socket")
         try:
+            slots = self._slot_decoder.decode(frames[1]) if len(frames) > 1 else []
+            num_moved = len(_LOGPROB_DTYPES) if tag == _OUTPUTS_TAG and slots else len(slots)
+            moved = frames[2 : 2 + num_moved]
+            if len(moved) != num_moved:
+                raise ProtocolError(f"{len(slots)} slots but {len(frames) - 2} frames")
+            self._local.array_frames = frames[2 + num_moved :]
             msg = decoder.decode(head[1:])
-            if len(frames) > 1:
-                self._move_in_ids(msg, frames)
+            if tag == _OUTPUTS_TAG and slots:
+                _move_in_logprobs(msg, slots, moved)
+            elif slots:
+                self._move_in_ids(msg, slots, moved)
         except ProtocolError:
             raise
         except Exception as e:
             # msgspec raises DecodeError/ValidationError, and __post_init__ validation
             # (SamplingParams) raises ValueError; all mean "the peer sent garbage".
             raise ProtocolError(f"bad {_CLASS_BY_TAG[tag].__name__}: {e}") from e
+        finally:
+            self._local.array_frames = ()
         return msg
 
-    def _move_in_ids(self, msg: Any, frames: Sequence[Any]) -> None:
-        slots = self._slot_decoder.decode(frames[1])
-        if len(frames) != 2 + len(slots):
-            raise ProtocolError(f"{len(slots)} id slots but {len(frames) - 2} id frames")
+    def _decode_array(self, cls: type, obj: Any) -> Any:
+        if cls is not np.ndarray:
+            raise NotImplementedError(f"cannot decode {cls.__name__}")
+        try:
+            dtype, shape, data = obj
+            if dtype not in _ARRAY_DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not allowed")
+            if isinstance(data, int):
+                data = self._local.array_frames[data]
+            return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        except Exception as e:  # any shape of garbage: a bad message, never a crash
+            raise ProtocolError(f"bad array: {e}") from e
+
+    def _move_in_ids(self, msg: Any, slots: list[int], frames: Sequence[Any]) -> None:
         if type(msg) is EngineCoreRequest:
             owners = [msg]
             field = "prompt_token_ids"
@@ -177,12 +234,7 @@ class MsgDecoder:
             field = "token_ids"
         else:
             raise ProtocolError(f"{type(msg).__name__} carries no id frames")
-        last = -1
-        for slot, frame in zip(slots, frames[2:], strict=True):
-            # Strictly increasing slots: each list is filled at most once.
-            if not last < slot < len(owners):
-                raise ProtocolError(f"bad id slot {slot}")
-            last = slot
+        for slot, frame in zip(_increasing(slots, len(owners)), frames, strict=True):
             owner = owners[slot]
             if getattr(owner, field):
                 raise ProtocolError(f"id slot {slot} is also in the body")
@@ -200,3 +252,58 @@ def _move_out(ids: list[int], slot: int, slots: list[int], aux: Frames) -> bool:
         return False  # not int32 token ids: msgpack carries them, the peer validates them
     slots.append(slot)
     return True
+
+
+_OUTPUTS_TAG = TAGS[EngineCoreOutputs][0]
+_LOGPROB_DTYPES = (np.dtype("<i4"), np.dtype("<f4"), np.dtype("<i4"))  # ids, logprobs, ranks
+
+
+def _move_out_logprobs(msg: EngineCoreOutputs, slots: list[int], aux: Frames) -> Any:
+    """Every output's new_logprobs, concatenated into three frames."""
+    outputs = list(msg.outputs)
+    parts = []
+    for i, out in enumerate(outputs):
+        if out.new_logprobs is not None:
+            slots.append(i)
+            parts.append(out.new_logprobs)
+            outputs[i] = msgspec.structs.replace(out, new_logprobs=None)
+    if not parts:
+        return msg
+    packed = LogprobsArrays.concat(parts)
+    arrays = (packed.token_ids, packed.logprobs, packed.ranks)
+    aux.extend(
+        np.ascontiguousarray(a, dtype=d).data for a, d in zip(arrays, _LOGPROB_DTYPES, strict=True)
+    )
+    return msgspec.structs.replace(msg, outputs=outputs)
+
+
+def _move_in_logprobs(msg: EngineCoreOutputs, slots: list[int], frames: Sequence[Any]) -> None:
+    """Give each output at `slots` its rows (one per new token) of the three frames."""
+    owners = [msg.outputs[i] for i in _increasing(slots, len(msg.outputs))]
+    num_rows = sum(len(o.new_token_ids) for o in owners)
+    ids, logprobs, ranks = (
+        np.frombuffer(f, dtype=d) for f, d in zip(frames, _LOGPROB_DTYPES, strict=True)
+    )
+    if num_rows == 0 or len(ranks) != num_rows or len(ids) != len(logprobs):
+        raise ProtocolError(f"logprob frames do not hold {num_rows} rows")
+    width = len(ids) // num_rows
+    if width * num_rows != len(ids):
+        raise ProtocolError(f"logprob frames do not hold {num_rows} rows")
+    packed = LogprobsArrays(ids.reshape(-1, width), logprobs.reshape(-1, width), ranks)
+    start = 0
+    for out in owners:
+        if out.new_logprobs is not None:
+            raise ProtocolError("new_logprobs both in the body and in frames")
+        stop = start + len(out.new_token_ids)
+        out.new_logprobs = packed.rows(start, stop)
+        start = stop
+
+
+def _increasing(slots: list[int], limit: int) -> list[int]:
+    """`slots`, checked strictly increasing and below `limit` (each entry filled once)."""
+    last = -1
+    for slot in slots:
+        if not last < slot < limit:
+            raise ProtocolError(f"bad slot {slot}")
+        last = slot
+    return slots

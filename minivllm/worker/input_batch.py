@@ -19,6 +19,8 @@ import numpy as np
 from minivllm.protocol.messages import CachedRequestData, NewRequestData
 from minivllm.protocol.sampling_params import SamplingParams
 
+NO_LOGPROBS = -2  # InputBatch.num_logprobs of a request that asked for none
+
 
 @dataclass
 class RequestState:
@@ -44,7 +46,11 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, NO_LOGPROBS, dtype=np.int64)  # -1: all
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
+        self.num_with_logprobs = 0  # requests that asked for logprobs
+        self.num_prompt_logprobs = 0  # requests that asked for prompt logprobs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, new: NewRequestData) -> RequestState:
@@ -60,6 +66,8 @@ class InputBatch:
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         self.seeds[row] = new.sample_seed
+        self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
         state = RequestState(
             req_id=new.req_id,
             row=row,
@@ -71,6 +79,8 @@ class InputBatch:
             params=p,
         )
         self.requests[new.req_id] = state
+        self.num_with_logprobs += p.logprobs is not None
+        self.num_prompt_logprobs += p.prompt_logprobs is not None
         return state
 
     def update(self, cached: CachedRequestData) -> None:
@@ -84,10 +94,13 @@ class InputBatch:
                 state.num_blocks = end
             state.num_computed_tokens = num_computed
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str) -> RequestState | None:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.num_with_logprobs -= state.params.logprobs is not None
+            self.num_prompt_logprobs -= state.params.prompt_logprobs is not None
+        return state
 
     def append_host_token(self, state: RequestState, token_id: int) -> None:
         """The id of the oldest in-flight token of `state` has arrived on the host."""

@@ -22,6 +22,8 @@ from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.logits_processors import LogitsProcessors
+from minivllm.worker.prompt_logprobs import compute_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
 
@@ -57,7 +59,8 @@ class ModelRunner:
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
         self.graphs = DecodeGraphs()
-        self.sampler = Sampler(tp.size)
+        self.sampler = Sampler(tp.size, config.model.logprobs_mode)
+        self.processors = LogitsProcessors(max_seqs, config.model.vocab_size, device)
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
@@ -236,7 +239,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput(so.step_id, [], [], None)
         self._apply_older_outputs()
-        states, sample_idx, meta, padded = self._prepare_inputs(so)
+        states, sample_idx, meta, padded, sampling = self._prepare_inputs(so)
         d = self.buffers.dev
         if padded:
             hidden = self.graphs.replay(padded)
@@ -244,13 +247,18 @@ class ModelRunner:
             n = meta.num_tokens
             hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
         req_ids = [s.req_id for s in states]
+        prompt_logprobs = None
+        if self.batch.num_prompt_logprobs:
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model, hidden, states, meta.query_start_loc_cpu, self.batch, self.config
+            )
         if not sample_idx:
-            return AsyncModelRunnerOutput(so.step_id, req_ids, [], None)
+            return AsyncModelRunnerOutput(so.step_id, req_ids, [], None, prompt_logprobs)
         ns = len(sample_idx)
         sampled_states = [states[i] for i in sample_idx]
         rows = hidden.index_select(0, d.logits_indices[:ns])
-        sampled = self.sampler(self.model, rows, SamplingMetadata.from_buffers(self.buffers, ns))
-        out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, sampled)
+        result = self.sampler(self.model, rows, sampling)
+        out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, result, prompt_logprobs)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
             s.last_sample = (out, j)
@@ -259,9 +267,12 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
-            self.batch.remove(req_id)
+            state = self.batch.remove(req_id)
+            if state is not None:
+                self.processors.remove(state.row)
         for new in so.scheduled_new_reqs:
-            self.batch.add(new)
+            row = self.batch.add(new).row
+            self.processors.add(row, new.sampling_params, new.token_ids, new.num_prompt_tokens)
         self.batch.update(so.scheduled_cached_reqs)
 
     def _apply_older_outputs(self) -> None:
@@ -277,10 +288,11 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, so: SchedulerOutput
-    ) -> tuple[list[RequestState], list[int], AttentionMetadata, int | None]:
+    ) -> tuple[list[RequestState], list[int], AttentionMetadata, int | None, SamplingMetadata]:
         """Fill and copy the step buffers. Returns the scheduled requests (single-token ones
-        first), the indices of those that sample, the attention metadata and the padded
-        batch size of the CUDA graph to replay (None: run eagerly)."""
+        first), the indices of those that sample, the attention metadata, the padded
+        batch size of the CUDA graph to replay (None: run eagerly) and the sampling rows'
+        metadata."""
         reqs = self.batch.requests
         decodes, others, other_lens = [], [], []
         for req_id, q in so.num_scheduled_tokens.items():
@@ -333,14 +345,10 @@ class ModelRunner:
         # a request samples once this step has computed every token it has
         sample_idx = np.flatnonzero(seq_lens >= num_tokens)
         ns = len(sample_idx)
-        srows = rows[sample_idx]
         h.logits_indices[:ns] = cu[1:][sample_idx] - 1
-        h.temperature[:ns] = b.temperature[srows]
-        h.top_k[:ns] = b.top_k[srows]
-        h.top_p[:ns] = b.top_p[srows]
-        h.min_p[:ns] = b.min_p[srows]
-        h.seeds[:ns] = b.seeds[srows]
-        h.sample_positions[:ns] = seq_lens[sample_idx]
+        sampling = SamplingMetadata.prepare(
+            b, self.processors, self.buffers, rows[sample_idx], seq_lens[sample_idx]
+        )
 
         # the last input token of a decoding request may be the newest step's sample, which
         # only the device has yet: gather it there instead of waiting for it
@@ -373,4 +381,4 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
             decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
         )
-        return states, sample_idx.tolist(), meta, padded
+        return states, sample_idx.tolist(), meta, padded, sampling

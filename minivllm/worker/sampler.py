@@ -1,8 +1,15 @@
 """The sampler: the one way from a step's final hidden states to its sampled tokens.
 
 `Sampler.__call__` takes the hidden states of the rows that sample and their
-`SamplingMetadata`; the draw itself (greedy, temperature, min-p, top-k, top-p, seeded) is
-`ops.sampling.sample`, a Triton kernel on CUDA and its torch reference elsewhere.
+`SamplingMetadata`, and works in vLLM's order:
+
+1. the raw logits are kept for raw logprobs (the default `logprobs_mode`);
+2. logits processing (`StepProcessing.apply`): allowed token ids, bad words, min_tokens,
+   logit bias, penalties, on a float32 copy, each only if some row uses it;
+3. the draw (`ops.sampling.sample`: temperature, min-p, top-k, top-p, greedy or seeded
+   random; a Triton kernel on CUDA, its torch reference elsewhere);
+4. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
+   and the top-k, from the raw logits, or from what the draw saw (processed modes).
 
 Tensor parallelism is handled here and nowhere else: every rank's LM head holds a slice of
 the vocabulary. When no row filters, each rank draws from its own slice and the ranks
@@ -15,10 +22,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from minivllm.worker.ops.sampling import sample, sample_shard
+from minivllm.protocol.sampling_params import GREEDY_EPS
+from minivllm.worker.input_batch import NO_LOGPROBS, InputBatch
+from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, to_device
+from minivllm.worker.ops.logprobs import gather_logprobs
+from minivllm.worker.ops.sampling import keep_threshold, sample, sample_shard
 from minivllm.worker.step_buffers import StepBuffers
+
+LogprobsTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, logprobs, ranks
+
+
+@dataclass
+class LogprobsRequest:
+    """Which sampling rows want logprobs of their sampled token, and how many top ones."""
+
+    rows: torch.Tensor | None  # int64 indices into the sampling rows; None: every row
+    rows_host: list[int] | None  # the same on the host
+    num: int  # the most any of them asked (the vocabulary size for -1)
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # int64 [N]
+    logprobs: LogprobsTensors | None = None  # see gather_logprobs
+    logprobs_rows: list[int] | None = None  # the sampling rows of the logprobs; None: all
 
 
 @dataclass
@@ -35,9 +65,17 @@ class SamplingMetadata:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    processing: StepProcessing | None = None  # None: no row uses any logits processing
+    logprobs: LogprobsRequest | None = None  # None: no row asked
 
     @classmethod
-    def from_buffers(cls, buffers: StepBuffers, n: int) -> SamplingMetadata:
+    def from_buffers(
+        cls,
+        buffers: StepBuffers,
+        n: int,
+        processing: StepProcessing | None = None,
+        logprobs: LogprobsRequest | None = None,
+    ) -> SamplingMetadata:
         """The first n sampling rows the runner wrote into the step buffers."""
         d, h = buffers.dev, buffers.host
         return cls(
@@ -50,37 +88,116 @@ class SamplingMetadata:
             use_top_k=bool((h.top_k[:n] > 0).any()),
             use_top_p=bool((h.top_p[:n] < 1.0).any()),
             use_min_p=bool((h.min_p[:n] > 0.0).any()),
+            processing=processing,
+            logprobs=logprobs,
         )
+
+    @classmethod
+    def prepare(
+        cls,
+        batch: InputBatch,
+        processors: LogitsProcessors,
+        buffers: StepBuffers,
+        rows: np.ndarray,
+        num_tokens: np.ndarray,
+    ) -> SamplingMetadata:
+        """Write the sampling rows' parameters into the step buffers (before they are copied)
+        and describe the step: `rows` are the sampling rows' persistent-batch rows,
+        `num_tokens` their requests' lengths before this sample."""
+        n = len(rows)
+        h = buffers.host
+        h.temperature[:n] = batch.temperature[rows]
+        h.top_k[:n] = batch.top_k[rows]
+        h.top_p[:n] = batch.top_p[rows]
+        h.min_p[:n] = batch.min_p[rows]
+        h.seeds[:n] = batch.seeds[rows]
+        h.sample_positions[:n] = num_tokens
+        processing = processors.prepare(rows, num_tokens, batch, h, buffers.dev)
+        logprobs = None
+        num_logprobs = batch.num_logprobs[rows] if batch.num_with_logprobs else None
+        asking = () if num_logprobs is None else np.flatnonzero(num_logprobs != NO_LOGPROBS)
+        if len(asking):
+            wanted = num_logprobs[asking]
+            num = processors.vocab_size if (wanted == -1).any() else int(wanted.max())
+            if len(asking) == n:
+                logprobs = LogprobsRequest(None, None, num)
+            else:
+                logprobs = LogprobsRequest(to_device(asking, buffers.device), asking.tolist(), num)
+        return cls.from_buffers(buffers, n, processing, logprobs)
 
     @property
     def needs_whole_rows(self) -> bool:
-        """Whether some row's draw depends on more than its own logits one by one."""
-        return self.use_top_k or self.use_top_p or self.use_min_p
+        """Whether some row needs more than its own logits one by one."""
+        return (
+            self.use_top_k
+            or self.use_top_p
+            or self.use_min_p
+            or self.processing is not None
+            or self.logprobs is not None
+        )
+
+    def filters(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """top_k, top_p, min_p, each None when no row uses it."""
+        return (
+            self.top_k if self.use_top_k else None,
+            self.top_p if self.use_top_p else None,
+            self.min_p if self.use_min_p else None,
+        )
 
 
 class Sampler:
-    def __init__(self, tp_size: int) -> None:
+    def __init__(self, tp_size: int, logprobs_mode: str = "raw_logprobs") -> None:
         self.tp_size = tp_size
+        self.logprobs_mode = logprobs_mode
 
     def __call__(
         self, model: torch.nn.Module, hidden: torch.Tensor, meta: SamplingMetadata
-    ) -> torch.Tensor:
-        """Sampled ids int64 [N] on the device for the final hidden states [N, H]."""
+    ) -> SamplerOutput:
+        """The sampled ids (and logprobs) on the device for the final hidden states [N, H]."""
         if self.tp_size > 1 and not meta.needs_whole_rows:
-            return self._sample_vocab_parallel(model.lm_head, hidden, meta)
+            return SamplerOutput(self._sample_vocab_parallel(model.lm_head, hidden, meta))
         return self.sample_logits(model.compute_logits(hidden), meta)
 
-    def sample_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Sampled ids int64 [N] for the full-vocabulary logits [N, V]."""
-        return sample(
-            logits,
-            meta.temperature,
-            meta.top_k if meta.use_top_k else None,
-            meta.top_p if meta.use_top_p else None,
-            meta.min_p if meta.use_min_p else None,
-            meta.seeds,
-            meta.positions,
+    def sample_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The same for the full-vocabulary logits [N, V]."""
+        processed = logits if meta.processing is None else meta.processing.apply(logits)
+        top_k, top_p, min_p = meta.filters()
+        sampled = sample(
+            processed, meta.temperature, top_k, top_p, min_p, meta.seeds, meta.positions
         )
+        if meta.processing is not None:
+            meta.processing.record_sampled(sampled)
+        if meta.logprobs is None:
+            return SamplerOutput(sampled)
+        logprobs = self._logprobs(logits, processed, sampled, meta)
+        return SamplerOutput(sampled, logprobs, meta.logprobs.rows_host)
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        processed: torch.Tensor,
+        sampled: torch.Tensor,
+        meta: SamplingMetadata,
+    ) -> LogprobsTensors:
+        mode = self.logprobs_mode
+        scores = logits if mode.startswith("raw") else self._drawn_from(processed, meta)
+        rows = meta.logprobs.rows
+        if rows is not None:
+            scores, sampled = scores.index_select(0, rows), sampled.index_select(0, rows)
+        return gather_logprobs(scores, meta.logprobs.num, sampled, mode.endswith("logprobs"))
+
+    @staticmethod
+    def _drawn_from(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The logits the draw saw: divided by the temperature (1 for greedy rows), the
+        tokens min-p, top-k and top-p removed at -inf (vLLM's processed logits)."""
+        greedy = meta.temperature < GREEDY_EPS
+        temperature = torch.where(greedy, 1.0, meta.temperature)
+        scores = processed.float() / temperature[:, None]
+        threshold = keep_threshold(processed, meta.temperature, *meta.filters())
+        if threshold is not None:
+            threshold = torch.where(greedy, float("-inf"), threshold)
+            scores = scores.masked_fill(processed < threshold[:, None], float("-inf"))
+        return scores
 
     @staticmethod
     def _sample_vocab_parallel(

@@ -43,6 +43,11 @@ class StepBuffers:
             ("min_p", torch.float32, (s,)),
             ("seeds", torch.int64, (s,)),
             ("sample_positions", torch.int64, (s,)),
+            # written only in steps with penalties: the rows' requests' persistent-batch rows
+            ("batch_rows", torch.int64, (s,)),
+            ("repetition_penalty", torch.float32, (s,)),
+            ("frequency_penalty", torch.float32, (s,)),
+            ("presence_penalty", torch.float32, (s,)),
             # input ids that are still on the device: input_ids[gather_dst] = prev[gather_src]
             ("gather_dst", torch.int64, (s,)),
             ("gather_src", torch.int64, (s,)),

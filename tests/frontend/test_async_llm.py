@@ -126,3 +126,31 @@ def test_n_completions(async_llm: AsyncLLM) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_streamed_logprobs_carry_only_the_new_positions(async_llm: AsyncLLM) -> None:
+    """Through the engine-core process: DELTA outputs hold the new tokens' logprobs only,
+    the prompt's come once, with the first output, and all of it adds up to the final
+    output of the same request."""
+
+    async def collect(kind: RequestOutputKind, request_id: str) -> list:
+        params = SamplingParams(
+            temperature=0.7, seed=5, max_tokens=9, logprobs=3, prompt_logprobs=2,
+            ignore_eos=True, output_kind=kind,
+        )  # fmt: skip
+        return [o async for o in async_llm.generate([7, 8, 9, 10, 11], params, request_id)]
+
+    deltas = run(collect(RequestOutputKind.DELTA, "delta"))
+    (final,) = run(collect(RequestOutputKind.FINAL_ONLY, "final"))
+    assert len(final.prompt_logprobs) == 5 and final.prompt_logprobs[0] is None
+    assert deltas[0].prompt_logprobs == final.prompt_logprobs
+    assert all(not d.prompt_logprobs for d in deltas[1:])
+    tokens, logprobs = [], []
+    for d in deltas:
+        c = d.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids)
+        tokens += c.token_ids
+        logprobs += c.logprobs
+    assert tokens == final.outputs[0].token_ids
+    assert logprobs == final.outputs[0].logprobs
+    assert deltas[-1].outputs[0].cumulative_logprob == final.outputs[0].cumulative_logprob

@@ -7,6 +7,7 @@ import pickle
 import random
 
 import msgspec
+import numpy as np
 import pytest
 
 from minivllm.protocol.messages import (
@@ -20,6 +21,7 @@ from minivllm.protocol.messages import (
     FinishReason,
     Heartbeat,
     InitKVCache,
+    LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
     Rendezvous,
@@ -66,10 +68,33 @@ def _new_req(i: int, token_ids: list[int]) -> NewRequestData:
     )
 
 
+def logprobs(rows: int, k: int, seed: int = 0) -> LogprobsArrays:
+    rng = np.random.default_rng(seed)
+    return LogprobsArrays(
+        rng.integers(0, 150_000, (rows, 1 + k), dtype=np.int32),
+        -rng.random((rows, 1 + k), dtype=np.float32) * 10,
+        rng.integers(1, 100, rows, dtype=np.int32),
+    )
+
+
 def sample_messages() -> list[msgspec.Struct]:
     """One or more instances of every registered type, defaults and non-defaults."""
     sp = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, seed=7, stop_token_ids=[2])
+    every = SamplingParams(
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.2,
+        logprobs=5,
+        prompt_logprobs=-1,
+        logit_bias={3: -1.5, 99: 100.0},
+        allowed_token_ids=[3, 4, 99],
+        bad_words=["a b", "c"],
+        _bad_words_token_ids=[[1, 2], [3]],
+        _all_stop_token_ids=[0, 2],
+        min_tokens=2,
+    )
     return [
+        EngineCoreRequest("r0", [1, 2, 3], every),
         EngineCoreRequest("r1", [1, 2, 3], sp, eos_token_ids=[2], arrival_time=1.5, client_id=3),
         EngineCoreRequest("r-long", LONG_PROMPT, SamplingParams()),
         Abort(["r1", "r2"]),
@@ -83,6 +108,14 @@ def sample_messages() -> list[msgspec.Struct]:
             ],
             scheduler_stats=SchedulerStats(num_running=2, kv_cache_usage=0.25, step_counter=9),
             timestamp=123.25,
+        ),
+        EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput("r1", [5], new_logprobs=logprobs(1, 5)),
+                EngineCoreOutput("r2", [9]),
+                EngineCoreOutput("r3", [4], FinishReason.LENGTH, new_logprobs=logprobs(1, 5, 1)),
+                EngineCoreOutput("r4", [4], new_prompt_logprobs=logprobs(700, 20, 2)),
+            ],
         ),
         EngineCoreOutputs(utility_result=UtilityResult(1, True)),
         EngineCoreOutputs(utility_result=UtilityResult(7, {"num_running": 3, "ratio": 0.5})),
@@ -108,6 +141,14 @@ def sample_messages() -> list[msgspec.Struct]:
         ),
         SchedulerOutput(step_id=0),
         ModelRunnerOutput(3, ["a", "b"], [[11], []]),
+        ModelRunnerOutput(
+            5,
+            ["a", "b", "c"],
+            [[11], [12], []],
+            logprobs=logprobs(2, 3),
+            logprobs_req_idx=[0, 1],
+            prompt_logprobs={"c": logprobs(300, 2, 3), "d": logprobs(1, 0, 4)},
+        ),
         ModelRunnerOutput(4, error="CUDA error: out of memory"),
         Rendezvous("127.0.0.1", 29500),
         WorkerLoaded(1, os.getpid(), 1000),
@@ -123,7 +164,45 @@ def test_round_trip(msg: msgspec.Struct, encoder: MsgEncoder) -> None:
     frames = encoder.encode(msg)
     decoded = MsgDecoder(ALL_TYPES).decode([bytes(f) for f in frames])
     assert type(decoded) is type(msg)
-    assert decoded == msg
+    assert as_builtins(decoded) == as_builtins(msg)
+
+
+def as_builtins(msg: msgspec.Struct) -> object:
+    """The message as plain Python values (numpy arrays as lists: == on arrays is elementwise)."""
+    return msgspec.to_builtins(
+        msg, enc_hook=lambda a: (a.dtype.str, a.tolist()) if isinstance(a, np.ndarray) else a
+    )
+
+
+def test_logprobs_travel_as_array_frames() -> None:
+    """A step's sampled-token logprobs go as three frames for the whole message, whatever the
+    number of requests; large arrays (prompt logprobs) as frames of their own; nothing of them
+    is a Python object per token in the body."""
+    outs = EngineCoreOutputs(
+        [EngineCoreOutput(str(i), [i], new_logprobs=logprobs(1, 5, i)) for i in range(256)]
+    )
+    frames = ENCODERS["id-frames"].encode(outs)
+    assert len(frames) == 2 + 3
+    assert memoryview(frames[3]).nbytes == 256 * 6 * 4  # float32 logprobs
+    decoded = MsgDecoder(CORE_TO_FRONTEND).decode(frames)
+    for sent, got in zip(outs.outputs, decoded.outputs, strict=True):
+        assert np.array_equal(sent.new_logprobs.logprobs, got.new_logprobs.logprobs)
+        assert np.array_equal(sent.new_logprobs.token_ids, got.new_logprobs.token_ids)
+        assert got.new_logprobs.ranks.tolist() == sent.new_logprobs.ranks.tolist()
+    assert outs.outputs[0].new_logprobs is not None  # the caller's message is intact
+    # rows of different widths share the frames: each keeps its own columns
+    mixed = EngineCoreOutputs(
+        [EngineCoreOutput(str(k), [1], new_logprobs=logprobs(1, k)) for k in (0, 3)]
+    )
+    narrow, wide = MsgDecoder(CORE_TO_FRONTEND).decode(ENCODERS["id-frames"].encode(mixed)).outputs
+    assert (
+        narrow.new_logprobs.token_ids[0, :1].tolist()
+        == mixed.outputs[0].new_logprobs.token_ids[0].tolist()
+    )
+    assert wide.new_logprobs.logprobs.tolist() == mixed.outputs[1].new_logprobs.logprobs.tolist()
+    prompt = ModelRunnerOutput(1, ["a"], [[1]], prompt_logprobs={"a": logprobs(2000, 20)})
+    frames = ENCODERS["id-frames"].encode(prompt)
+    assert len(frames) == 2 + 3 and len(frames[0]) < 200
 
 
 def test_every_type_round_trips() -> None:

@@ -93,3 +93,33 @@ def test_dummy_weights_are_the_same_model_at_any_tp(tiny_models: dict[str, str])
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1]
     assert len(set(tokens[0][0])) > 3  # not a degenerate constant stream
+
+
+def test_tp2_samples_and_processes_as_tp1(qwen3_dir: str) -> None:
+    """Seeded random draws (each rank draws from its slice of the vocabulary), and logprobs
+    with penalties (the logits are gathered first) give what one rank gives."""
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:4]]
+    drawn = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    processed = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3,
+        repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias={5: 1.0},
+    )  # fmt: skip
+    results = []
+    for tp in (2, 1):
+        backend = "mp" if tp > 1 else "uni"
+        llm = LLM(
+            qwen3_dir,
+            dtype="float32",
+            tensor_parallel_size=tp,
+            distributed_executor_backend=backend,
+        )
+        try:
+            results.append([llm.generate(prompts, p, use_tqdm=False) for p in (drawn, processed)])
+        finally:
+            llm.shutdown()
+    for outs_tp2, outs_tp1 in zip(*results, strict=True):
+        for a, b in zip(outs_tp2, outs_tp1, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+                assert list(x) == list(y)
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)

@@ -5,7 +5,9 @@ Default workload: on a GPU, the reference workload (nano-vllm's offline benchmar
 prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
 minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
 --num-prompts / --input-len / --output-len choose fixed shapes; --reference-workload forces
-the reference workload anywhere.
+the reference workload anywhere. --logprobs N and --penalties give every request those
+settings; --sampling-variants times, on one engine, a plain run, a run with --logprobs (5 by
+default) and one with --penalties, one after the other, and prints each against the plain one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the reference workload even on the CPU (the GPU default)",
     )
     p.add_argument("--temperature", type=float, default=REFERENCE_TEMPERATURE)
+    p.add_argument("--logprobs", type=int, default=None, help="logprobs of every request")
+    p.add_argument(
+        "--penalties",
+        action="store_true",
+        help=f"every request with the penalties {PENALTIES}",
+    )
+    p.add_argument(
+        "--sampling-variants",
+        action="store_true",
+        help="time plain, --logprobs (default 5) and --penalties runs on one engine",
+    )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
     p.add_argument("--output-json", default=None, help="write the figures to this file")
@@ -81,6 +94,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+
+
+def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(name, extra SamplingParams) of each timed run."""
+    extra: dict[str, Any] = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.penalties:
+        extra.update(PENALTIES)
+    if not args.sampling_variants:
+        return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
+    num = 5 if args.logprobs is None else args.logprobs
+    return [("plain", {}), (f"logprobs={num}", {"logprobs": num}), ("penalties", PENALTIES)]
 
 
 def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = "cuda") -> Workload:
@@ -98,17 +125,20 @@ def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = 
     )
 
 
-def run_minivllm(llm: Any, workload: Workload, temperature: float) -> RunResult:
+def run_minivllm(
+    llm: Any, workload: Workload, temperature: float, extra: dict[str, Any] | None = None
+) -> RunResult:
     """Warm up on a few other prompts (so the prefix cache gives the timed run nothing),
-    then time one `generate` of the whole workload."""
+    then time one `generate` of the whole workload; `extra`: more SamplingParams."""
     from minivllm.protocol.sampling_params import SamplingParams
 
+    extra = extra or {}
     max_id = max(max(p) for p in workload.prompts)
     warm = random_workload(min(8, len(workload.prompts)), 32, 16, seed=12345, vocab_limit=max_id)
-    warm_params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True)
+    warm_params = SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True, **extra)
     llm.generate(token_prompts(warm.prompts), warm_params, use_tqdm=False)
     params = [
-        SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+        SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, **extra)
         for n in workload.output_lens
     ]
     start = time.perf_counter()
@@ -186,11 +216,25 @@ def main(args: argparse.Namespace) -> dict:
             f"{config.model.hf_config['hidden_size']}, vocab {config.model.vocab_size}; "
             f"device {config.device.device}, dtype {config.model.dtype}"
         )
+        results = []
         try:
-            result = run_minivllm(llm, workload, args.temperature)
+            for name, extra in sampling_variants(args):
+                print(f"Sampling: {name}")
+                results.append((name, run_minivllm(llm, workload, args.temperature, extra)))
+                print_vllm_lines(results[-1][1])
         finally:
             llm.shutdown()
-        print_vllm_lines(result)
+        if len(results) > 1:
+            base = results[0][1].output_tokens_per_s
+            for name, r in results:
+                print(
+                    f"{name}: {r.output_tokens_per_s:.0f} output tok/s = {100 * r.output_tokens_per_s / base:.1f}% of {results[0][0]}"
+                )
+            figures["sampling_variants"] = {
+                name: {"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s}
+                for name, r in results
+            }
+        result = results[0][1]
         figures.update(
             model=model if geometry is None else geometry,
             device=config.device.device,
