@@ -112,7 +112,6 @@ class RequestState:
         self.user_request_id = user_request_id
         self.prompt_text = prompt_text
         self.prompt_token_ids = prompt_token_ids
-        self.output_kind = params.output_kind
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.detokenizer = detokenizer
