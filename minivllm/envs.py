@@ -19,6 +19,8 @@ the variable.
 | MINIVLLM_PDL                     | 1       | `0`: no programmatic dependent launch of Triton kernels |
 | MINIVLLM_ATTENTION_BACKEND       | unset   | force `flash-attn`, `triton`, `cpu` or `torch`     |
 | MINIVLLM_DISABLE_SYMM_ALL_REDUCE | 0       | `1`: every tensor-parallel all-reduce goes to NCCL |
+| MINIVLLM_API_KEY                 | unset   | the server's default `--api-key`                   |
+| MINIVLLM_LOG_STATS_INTERVAL      | 10      | seconds between the server's stats log lines       |
 """
 
 from __future__ import annotations
@@ -78,3 +80,11 @@ def attention_backend() -> str | None:
 
 def symm_all_reduce_disabled() -> bool:
     return os.environ.get("MINIVLLM_DISABLE_SYMM_ALL_REDUCE") == "1"
+
+
+def api_key() -> str | None:
+    return os.environ.get("MINIVLLM_API_KEY") or None
+
+
+def log_stats_interval_s() -> float:
+    return _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)

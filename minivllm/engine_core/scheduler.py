@@ -25,6 +25,7 @@ from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.protocol.messages import (
     CachedRequestData,
+    EngineCoreEventType,
     EngineCoreOutput,
     LogprobsArrays,
     ModelRunnerOutput,
@@ -86,6 +87,7 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(
         self,
@@ -203,6 +205,7 @@ class Scheduler:
             self.waiting.popleft()
             running.append(request)
             request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -254,6 +257,8 @@ class Scheduler:
             # the decoded message's list, which nothing else holds, unless a stop cut it
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
             out = self._make_output(request, new_token_ids)
+            if request.events:
+                out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)
         if runner.logprobs is not None or runner.prompt_logprobs:
             self._attach_logprobs(outputs, runner)
@@ -304,6 +309,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
         self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:
