@@ -14,6 +14,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+_CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -274,7 +275,7 @@ class EngineArgs:
             )
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
-            kv_bytes = int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GIB", "1")) * (1 << 30))
+            kv_bytes = _CPU_KV_CACHE_BYTES
         return EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
