@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
@@ -48,7 +49,6 @@ from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder, P
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # core → clients, so a client notices a dead daemon quickly
-CLIENT_TIMEOUT_S = float(os.environ.get("MINIVLLM_CLIENT_TIMEOUT", "10"))  # silent client: gone
 _ALL = -1  # output-queue address: every attached client
 _CLIENT_GONE = "client-gone"
 _STOP = object()
@@ -203,6 +203,7 @@ class EngineCoreProc:
         decoder = MsgDecoder(FRONTEND_TO_CORE, max_ids=self.config.model.max_model_len)
         encoder = MsgEncoder()
         last_seen: dict[int, float] = {}
+        client_timeout_s = envs.client_timeout_s()  # silent this long: the client is gone
         next_check = time.monotonic() + 1.0
         while not self._stopping.is_set():
             got = transport.recv_from(self.input_sock, timeout_ms=100)
@@ -221,12 +222,12 @@ class EngineCoreProc:
             if now >= next_check:
                 next_check = now + 0.5
                 for client, seen in list(last_seen.items()):
-                    if now - seen > CLIENT_TIMEOUT_S:
+                    if now - seen > client_timeout_s:
                         del last_seen[client]
                         self.input_queue.put((client, _CLIENT_GONE))
                         why = (
                             f"it sent nothing for {now - seen:.1f} s, over the engine-core's "
-                            f"client timeout of {CLIENT_TIMEOUT_S:g} s (a client sends a "
+                            f"client timeout of {client_timeout_s:g} s (a client sends a "
                             "heartbeat every second: was its event loop blocked?); "
                             "its requests were aborted"
                         )
@@ -318,7 +319,7 @@ def run_engine_core(
     if not daemon:
         die_with_parent(death_pipe)
     logging.basicConfig(
-        level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+        level=envs.log_level(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     proc: EngineCoreProc | None = None

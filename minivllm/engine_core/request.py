@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 
-from minivllm.protocol.messages import EngineCoreRequest, FinishReason
+from minivllm.protocol.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
 
@@ -21,10 +27,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return FINISH_REASONS.get(self)
 
 
 FINISH_REASONS = {
@@ -70,8 +72,8 @@ class Request:
         self.eos_token_ids: set[int] = (
             set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         )
-        self.stop_token_ids: set[int] = set(sampling_params.stop_token_ids or ())
-        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # either: check the rules
+        # either ends it (after min_tokens); a stop token id is also its stop reason
+        self.stop_ids = self.eos_token_ids | set(sampling_params.stop_token_ids or ())
         # tokens (prompt + output) at which it ends by length; the scheduler sets it
         self.max_num_tokens = len(self.prompt_token_ids) + (
             sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
@@ -86,6 +88,7 @@ class Request:
             sample_seed = sampling_params.seed
         self.sample_seed = sample_seed if sample_seed is not None else derive_seed(0, request_id)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
+        self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:
@@ -99,6 +102,13 @@ class Request:
             client_id=req.client_id,
             sample_seed=derive_seed(engine_seed, req.request_id),
         )
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time()))
+
+    def take_events(self) -> list[EngineCoreEvent]:
+        events, self.events = self.events, []
+        return events
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -115,10 +125,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
 
     def __repr__(self) -> str:
         return (

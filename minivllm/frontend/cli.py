@@ -1,4 +1,4 @@
-"""`minivllm` command line: the engine-core daemon, its keys and the benchmarks."""
+"""`minivllm` command line: the engine-core daemon and its keys, the server, the benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from minivllm import envs
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description="mini-vllm inference engine")
@@ -14,7 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     _add_engine_core(sub)
     _add_keygen(sub)
     from minivllm.frontend.bench import add_bench_parser
+    from minivllm.frontend.server.serve import add_serve_parser
 
+    add_serve_parser(sub)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
@@ -97,7 +101,7 @@ def _run_engine_core(args: argparse.Namespace) -> None:
     from minivllm.protocol import transport
     from minivllm.protocol.auth import CurveServerKeys, check_listen_address
 
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=envs.log_level())
     input_address, output_address, ipc_dir = daemon_addresses(args.address)
     try:
         curve = None
