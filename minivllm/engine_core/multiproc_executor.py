@@ -111,8 +111,7 @@ class MultiprocExecutor(Executor):
         while len(blocks) < tp:
             msg = self._recv_startup(deadline)
             if isinstance(msg, Rendezvous):  # rank 0's store, for the other ranks
-                for sock in self.step_socks[1:]:
-                    transport.send_msg(sock, self.encoder.encode(msg))
+                self._broadcast(msg, first_rank=1)
             elif isinstance(msg, WorkerLoaded):
                 blocks[msg.rank] = msg.num_gpu_blocks
         num_blocks = min(blocks.values())
@@ -140,11 +139,13 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
 
-    def _broadcast(self, msg) -> None:
+    def _broadcast(self, msg, first_rank: int = 0) -> None:
+        """Send `msg` to every rank from `first_rank` on."""
         frames = self.encoder.encode(msg)
         transport.check_size(frames, f"{type(msg).__name__} for the workers")
         deadline = None
-        for rank, sock in enumerate(self.step_socks):
+        for rank in range(first_rank, len(self.step_socks)):
+            sock = self.step_socks[rank]
             while True:
                 try:
                     transport.send_msg(sock, frames, copy=True)
