@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import zmq
 
 from tests.e2e.daemon import Daemon
-from tests.tiny_models import build_null_checkpoint
 
 FRAME = 100 << 20
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bounded")
-    model = build_null_checkpoint(str(root / "null"))
-    d = Daemon(model, f"ipc://{root}/engine", str(root / "daemon.log"))
-    d.wait_listening()
-    yield d
-    d.stop()
-
-
-def test_a_100mb_frame_is_refused_without_memory_growth(daemon: Daemon) -> None:
+def test_a_100mb_frame_is_refused_without_memory_growth(null_daemon: Daemon) -> None:
+    daemon = null_daemon
     daemon.canary()  # warm: the first request's allocations are not the frame's
     before = daemon.rss()
     targets = [

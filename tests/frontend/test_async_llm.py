@@ -24,11 +24,11 @@ def run(coro):
 
 
 def test_100_streams_10_cancelled(async_llm: AsyncLLM) -> None:
-    async def stream(i: int, cancel_after: int | None) -> int:
+    async def stream(i: int, cancel_after: int | None, max_tokens: int | None = None) -> int:
         params = SamplingParams(
             temperature=0.8,
             seed=i,
-            max_tokens=10 + i % 7,
+            max_tokens=max_tokens or 10 + i % 7,
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -40,7 +40,8 @@ def test_100_streams_10_cancelled(async_llm: AsyncLLM) -> None:
         return n
 
     async def cancelled_task(i: int) -> None:
-        task = asyncio.create_task(stream(i, None))
+        # long enough to be still running when cancelled, however idle the machine
+        task = asyncio.create_task(stream(i, None, max_tokens=10_000))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

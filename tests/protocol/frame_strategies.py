@@ -9,6 +9,7 @@ import pickle
 
 import msgspec
 import numpy as np
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from minivllm.protocol import limits
@@ -19,6 +20,12 @@ from tests.protocol.test_serial import sample_messages
 
 Frames = list[bytes]
 
+# a few hundred inputs per live socket keeps CI's share short; benchmarks/ runs 100k
+LIVE_SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 KNOWN_TAGS = sorted(TAGS.values())
 UNKNOWN_TAGS = [bytes([b]) for b in range(256) if bytes([b]) not in TAGS.values()]
 # every registered message, encoded with its ids inline and as id frames

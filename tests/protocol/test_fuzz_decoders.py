@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -16,6 +15,7 @@ from minivllm.protocol.serial import (
     FRONTEND_TO_CORE,
     WORKER_TO_CORE,
     MsgDecoder,
+    MsgEncoder,
 )
 from tests.protocol.frame_strategies import garbage, refuses
 
@@ -46,7 +46,7 @@ def test_decoder_refuses_garbage(allowed: tuple[type, ...]) -> None:
         # and it encodes back (nothing half-built got through)
         msg = decoder.decode(frames)
         assert type(msg) in allowed
-        msgspec.msgpack.encode(msg)
+        MsgEncoder().encode(msg)
         seen["decoded"] += 1
 
     decode()
