@@ -11,8 +11,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
-from minivllm.exceptions import EngineDeadError
+from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.core_client import attached_engine_config
+from minivllm.frontend.dp_client import DPAsyncClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
@@ -25,9 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """Spawns its own engine-core (`from_engine_args`) or attaches to a daemon (`connect`)."""
+    """Spawns its own engine-core(s) (`from_engine_args`; `data_parallel_size` of them) or
+    attaches to one or several daemons (`connect`)."""
 
-    def __init__(self, model_config: ModelConfig, client: AsyncMPClient) -> None:
+    def __init__(self, model_config: ModelConfig, client: AsyncMPClient | DPAsyncClient) -> None:
         self.model_config = model_config
         self.client = client
         skip = model_config.skip_tokenizer_init
@@ -46,12 +48,19 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            return cls(config.model, DPAsyncClient(config))
         return cls(config.model, AsyncMPClient(config))
 
     @classmethod
-    def connect(cls, address: str) -> AsyncLLM:
-        """Attach to a running `minivllm engine-core` daemon at `address`."""
-        client = AsyncMPClient.connect(address)
+    def connect(cls, address: str | list[str]) -> AsyncLLM:
+        """Attach to a running `minivllm engine-core` daemon at `address`, or to several
+        (a list: one serving frontend over all, requests routed as with data parallelism)."""
+        addresses = [address] if isinstance(address, str) else list(address)
+        if len(addresses) == 1:
+            client: AsyncMPClient | DPAsyncClient = AsyncMPClient.connect(addresses[0])
+        else:
+            client = DPAsyncClient.connect(addresses)
         return cls(attached_engine_config(client.info).model, client)
 
     @property
@@ -77,8 +86,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
-            for request in requests:
-                await self.client.add_request_async(request)
+            await self.client.add_requests_async(requests)
             while not finished:
                 out = queue.get_nowait()
                 if out is None:
@@ -116,7 +124,14 @@ class AsyncLLM:
         the requests they belong to, errors are raised into them here."""
         try:
             while True:
-                outputs = await self.client.get_output_async()
+                try:
+                    outputs = await self.client.get_output_async()
+                except EngineCoreDeadError as e:  # one of several cores: its requests only
+                    for request_id in self.output_processor.forget_lost(e.request_ids):
+                        queue = self._queues.get(request_id)
+                        if queue is not None:
+                            queue.put(e)
+                    continue
                 processed = self.output_processor.process_outputs(outputs.outputs)
                 for request_id, error in processed.errors.items():
                     queue = self._queues.get(request_id)

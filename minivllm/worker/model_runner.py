@@ -111,7 +111,10 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         reserve = _GRAPH_RESERVE * total if self.use_graphs else 0
-        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others - reserve
+        # gpu_memory_utilization is this engine's share of the device (engine-cores that
+        # share a GPU each take their own fraction); what others hold only caps it
+        share = total * self.config.cache.gpu_memory_utilization
+        budget = min(share, total - used_by_others) - peak - reserve
         num = int(budget // self.kv_block_bytes())
         if num <= 0:
             raise RuntimeError(
