@@ -26,6 +26,10 @@ class Executor(ABC):
                     "tensor_parallel_size must be 1"
                 )
             return UniProcExecutor
+        if config.parallel.distributed_executor_backend == "ray":
+            from minivllm.engine_core.ray_executor import RayExecutor
+
+            return RayExecutor
         from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor

@@ -120,7 +120,7 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------ startup
 
     def _startup(self) -> int:
-        tp = len(self.procs)
+        tp = self.config.parallel.tensor_parallel_size
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         blocks: dict[int, int] = {}
         while len(blocks) < tp:
