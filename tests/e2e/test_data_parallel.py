@@ -157,9 +157,12 @@ def test_connect_to_several_daemons(null_dir: str, tmp_path) -> None:
         finally:
             llm.shutdown()
         sync = LLM.connect(addresses)
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
         try:
-            outs = sync.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=5, ignore_eos=True))
+            outs = sync.generate([[1, 2, 3]] * 4, params)
             assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 4
+            time.sleep(4)  # idle longer than a silent engine is given: the heartbeats waited
+            assert len(sync.generate([1, 2, 3], params)[0].outputs[0].token_ids) == 5
         finally:
             sync.shutdown()
         assert all(d.poll() is None for d in daemons), "the daemons outlive their clients"
