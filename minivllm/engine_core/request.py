@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 
-from minivllm.protocol.messages import EngineCoreRequest, FinishReason
+from minivllm.protocol.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
 
@@ -86,6 +92,7 @@ class Request:
             sample_seed = sampling_params.seed
         self.sample_seed = sample_seed if sample_seed is not None else derive_seed(0, request_id)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
+        self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:
@@ -99,6 +106,13 @@ class Request:
             client_id=req.client_id,
             sample_seed=derive_seed(engine_seed, req.request_id),
         )
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time()))
+
+    def take_events(self) -> list[EngineCoreEvent]:
+        events, self.events = self.events, []
+        return events
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -15,6 +15,7 @@ from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.dp_client import DPAsyncClient
 from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
@@ -27,11 +28,18 @@ logger = logging.getLogger(__name__)
 
 class AsyncLLM:
     """Spawns its own engine-core(s) (`from_engine_args`; `data_parallel_size` of them) or
-    attaches to one or several daemons (`connect`)."""
+    attaches to one or several daemons (`connect`). With `stat_loggers`, request timings and
+    scheduler stats are fed to them (metrics/)."""
 
-    def __init__(self, model_config: ModelConfig, client: AsyncMPClient | DPAsyncClient) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        client: AsyncMPClient | DPAsyncClient,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
         self.model_config = model_config
         self.client = client
+        self.stats = StatsCollector(stat_loggers) if stat_loggers else None
         skip = model_config.skip_tokenizer_init
         self.tokenizer = None if skip else load_tokenizer(model_config.tokenizer)
         self.input_processor = InputProcessor(model_config, self.tokenizer)
@@ -46,14 +54,18 @@ class AsyncLLM:
         gc.freeze()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
         if config.parallel.data_parallel_size > 1:
-            return cls(config.model, DPAsyncClient(config))
-        return cls(config.model, AsyncMPClient(config))
+            return cls(config.model, DPAsyncClient(config), stat_loggers)
+        return cls(config.model, AsyncMPClient(config), stat_loggers)
 
     @classmethod
-    def connect(cls, address: str | list[str]) -> AsyncLLM:
+    def connect(
+        cls, address: str | list[str], stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: one serving frontend over all, requests routed as with data parallelism)."""
         addresses = [address] if isinstance(address, str) else list(address)
@@ -61,7 +73,7 @@ class AsyncLLM:
             client: AsyncMPClient | DPAsyncClient = AsyncMPClient.connect(addresses[0])
         else:
             client = DPAsyncClient.connect(addresses)
-        return cls(attached_engine_config(client.info).model, client)
+        return cls(attached_engine_config(client.info).model, client, stat_loggers)
 
     @property
     def errored(self) -> bool:
@@ -84,6 +96,8 @@ class AsyncLLM:
             request_id, prompt, sampling_params, self.input_processor, queue=queue
         )
         self._queues[request_id] = queue
+        if self.stats is not None:
+            self.stats.add_requests(requests)
         finished = False
         try:
             await self.client.add_requests_async(requests)
@@ -111,6 +125,8 @@ class AsyncLLM:
 
     def _abort_now(self, request_id: str) -> None:
         internal = self.output_processor.abort_user_requests([request_id])
+        if self.stats is not None:
+            self.stats.abort(internal)
         if internal and self.dead is None:
             task = asyncio.ensure_future(self.client.abort_requests_async(internal))
             task.add_done_callback(_log_failure)
@@ -133,6 +149,8 @@ class AsyncLLM:
                             queue.put(e)
                     continue
                 processed = self.output_processor.process_outputs(outputs.outputs)
+                if self.stats is not None:
+                    self.stats.record(outputs, processed.reqs_to_abort)
                 for request_id, error in processed.errors.items():
                     queue = self._queues.get(request_id)
                     if queue is not None:
@@ -150,6 +168,11 @@ class AsyncLLM:
             self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
             for queue in self._queues.values():
                 queue.put(self.dead)
+
+    def do_log_stats(self) -> None:
+        """Have the stat loggers report (the periodic log line)."""
+        if self.stats is not None:
+            self.stats.log()
 
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async(UtilityMethod.STATS)
