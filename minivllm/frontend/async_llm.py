@@ -58,9 +58,7 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        if config.parallel.data_parallel_size > 1:
-            return cls(config.model, DPAsyncClient(config), stat_loggers)
-        return cls(config.model, AsyncMPClient(config), stat_loggers)
+        return cls(config.model, make_async_client(config), stat_loggers)
 
     @classmethod
     def connect(
@@ -68,11 +66,7 @@ class AsyncLLM:
     ) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: one serving frontend over all, requests routed as with data parallelism)."""
-        addresses = [address] if isinstance(address, str) else list(address)
-        if len(addresses) == 1:
-            client: AsyncMPClient | DPAsyncClient = AsyncMPClient.connect(addresses[0])
-        else:
-            client = DPAsyncClient.connect(addresses)
+        client = attach_async_client(address)
         return cls(attached_engine_config(client.info).model, client, stat_loggers)
 
     @property
@@ -193,6 +187,21 @@ class AsyncLLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.client.shutdown()
+
+
+def make_async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncClient:
+    """Spawn the engine-core(s) of `config`: one, or `data_parallel_size` behind a router."""
+    if config.parallel.data_parallel_size > 1:
+        return DPAsyncClient(config)
+    return AsyncMPClient(config)
+
+
+def attach_async_client(address: str | list[str]) -> AsyncMPClient | DPAsyncClient:
+    """Attach to one daemon, or route over several."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if len(addresses) == 1:
+        return AsyncMPClient.connect(addresses[0])
+    return DPAsyncClient.connect(addresses)
 
 
 def _log_failure(task: asyncio.Future) -> None:

@@ -14,6 +14,7 @@ import contextlib
 from collections import deque
 from typing import Any
 
+import msgspec
 import zmq
 
 from minivllm.config import EngineConfig
@@ -32,6 +33,7 @@ from minivllm.protocol.messages import (
     EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
+    SchedulerStats,
     UtilityMethod,
 )
 
@@ -87,14 +89,12 @@ def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None
             )
 
 
-def merge_stats(stats: list[dict]) -> dict:
-    """One engine's worth of stats from several: counts and counters add up, the KV cache
-    usage is the mean."""
-    if not stats:
-        return {}
-    merged = {k: sum(s[k] for s in stats) for k in stats[0]}
-    merged["kv_cache_usage"] = merged["kv_cache_usage"] / len(stats)
-    return merged
+def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
+    up (so their deltas stay right), the KV cache usage is the mean."""
+    merged = {k: sum(getattr(s, k) for s in stats) for k in SchedulerStats.__struct_fields__}
+    merged["kv_cache_usage"] /= len(stats)
+    return SchedulerStats(**merged)
 
 
 class _DPClient:
@@ -108,14 +108,26 @@ class _DPClient:
         self.addresses = addresses
         self.router = DPRouter(len(clients), block_size)
         self.output_tokens = [0] * len(clients)
+        self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
 
     @property
     def info(self) -> EngineCoreInfo:
         return self.clients[0].info
 
     def _account(self, engine: int, out: EngineCoreOutputs) -> None:
-        """Learn from one output batch of `engine` before it is handed on."""
-        self.router.update_stats(engine, out.scheduler_stats)
+        """Learn from one output batch of `engine` before it is handed on, its scheduler
+        stats replaced by the whole engine's (every live core's latest, merged), so that
+        metrics read one engine however many cores serve."""
+        if out.scheduler_stats is not None:
+            self.router.update_stats(engine, out.scheduler_stats)
+            self.latest_stats[engine] = out.scheduler_stats
+            out.scheduler_stats = merge_scheduler_stats(
+                [
+                    s
+                    for e, s in enumerate(self.latest_stats)
+                    if s is not None and e not in self.router.dead
+                ]
+            )
         for o in out.outputs:
             self.output_tokens[engine] += len(o.new_token_ids)
             if o.finish_reason is not None:
@@ -386,5 +398,8 @@ class DPAsyncClient(_DPClient):
 def _combine(method: UtilityMethod, results: list[Any]) -> Any:
     """One answer from every live core's."""
     if method == UtilityMethod.STATS:
-        return merge_stats(results)
+        if not results:
+            return {}
+        merged = merge_scheduler_stats([SchedulerStats(**r) for r in results])
+        return msgspec.structs.asdict(merged)
     return all(results)

@@ -171,3 +171,32 @@ def test_connect_to_several_daemons(null_dir: str, tmp_path) -> None:
             d.send_signal(signal.SIGTERM)
         for d in daemons:
             d.wait(timeout=30)
+
+
+def test_openai_server_over_two_engine_cores(null_dir: str, tmp_path) -> None:
+    import httpx
+
+    from minivllm.frontend.server.launch import ServerProcess
+    from tests.server.conftest import descendants, server_env, stop_cleanly
+
+    args = [null_dir, "--data-parallel-size", "2", "--served-model-name", "null"]
+    server = ServerProcess(args, str(tmp_path / "server.log"), server_env(), startup_timeout=120)
+    try:
+        spawned = [p for p in descendants(server) if "spawn_main" in " ".join(p.cmdline())]
+        cores = [p for p in spawned if p.ppid() == server.proc.pid]
+        assert (len(cores), len(spawned)) == (2, 4), "two engine-cores, each with its worker"
+        body = {"model": "null", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                calls = [http.post(f"{server.url}/v1/completions", json=body) for _ in range(8)]
+                return [
+                    r.json()["usage"]["completion_tokens"] for r in await asyncio.gather(*calls)
+                ]
+
+        assert asyncio.run(main()) == [16] * 8
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="null"} 128.0' in metrics
+    finally:
+        stop_cleanly(server)
