@@ -3,19 +3,16 @@ killed actor fails the engine as a killed worker process does."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 
 import psutil
 import pytest
 import ray
-import uvloop
 
 from minivllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from minivllm.engine_core.ray_executor import NAMESPACE
 from tests.hf_reference import parity_prompts
-from tests.process_helpers import spawned_children, wait_gone
+from tests.process_helpers import spawned_children, stream_until_killed, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -64,27 +61,8 @@ def test_killed_actor_fails_every_caller(ray_cluster, qwen3_dir: str) -> None:
     core = spawned_children(os.getpid())[0]
     actors = [ray.get_actor(name, namespace=NAMESPACE) for name in _worker_actors()]
     pids = ray.get([a.pid.remote() for a in actors])
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-
-    async def stream(i: int, started: asyncio.Event):
-        try:
-            async for _ in llm.generate([1, 2, 3, i], params, request_id=f"r{i}"):
-                started.set()
-        except EngineDeadError as e:
-            return e
-        return None
-
-    async def main():
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(stream(i, started)) for i in range(8)]
-        await asyncio.wait_for(started.wait(), 60)
-        killed_at = time.monotonic()
-        ray.kill(actors[1])
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        return results, time.monotonic() - killed_at
-
     try:
-        results, waited = uvloop.run(main())
+        results, waited = stream_until_killed(llm, lambda: ray.kill(actors[1]), max_tokens=400)
     finally:
         llm.shutdown()
     assert all(isinstance(r, EngineDeadError) for r in results), results
