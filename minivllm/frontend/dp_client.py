@@ -48,7 +48,7 @@ def _spawn_all(client_class, config: EngineConfig) -> list[Any]:
     try:
         for i, launch in enumerate(launches):
             try:
-                clients.append(client_class(launch=launch))
+                clients.append(client_class(address=launch))
             except EngineStartupError as e:
                 raise EngineStartupError(f"engine-core {i} of {len(launches)}: {e}") from e
     except BaseException:

@@ -93,12 +93,9 @@ class EngineCoreLaunch:
 class _MPClient:
     """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
 
-    def __init__(
-        self,
-        config: EngineConfig | None,
-        address: str | None,
-        launch: EngineCoreLaunch | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig | None, address: str | EngineCoreLaunch | None) -> None:
+        """`address`: a daemon's to attach to, or an engine-core launched for this client;
+        None spawns one for `config`."""
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
         self.proc = None
         self.death_pipe = None
@@ -111,10 +108,10 @@ class _MPClient:
         self.input_sock = self.output_sock = None
         try:
             if address is None:
-                if launch is None:
-                    assert config is not None
-                    launch = EngineCoreLaunch.start(config)
-                address = self._await_core(launch)
+                assert config is not None
+                address = EngineCoreLaunch.start(config)
+            if isinstance(address, EngineCoreLaunch):
+                address = self._await_core(address)
             self.info = self._attach(address)
         except BaseException:
             self._close()
@@ -216,12 +213,9 @@ class SyncMPClient(_MPClient, EngineCoreClient):
     """Blocking client; a small thread keeps the heartbeat going while the caller computes."""
 
     def __init__(
-        self,
-        config: EngineConfig | None = None,
-        address: str | None = None,
-        launch: EngineCoreLaunch | None = None,
+        self, config: EngineConfig | None = None, address: str | EngineCoreLaunch | None = None
     ) -> None:
-        super().__init__(config, address, launch)
+        super().__init__(config, address)
         self._send_lock = threading.Lock()
         self._pending: deque[EngineCoreOutputs] = deque()
         self._utility: dict[int, Any] = {}
@@ -304,12 +298,9 @@ class AsyncMPClient(_MPClient):
     """asyncio client (works under uvloop). Outputs are read by a task started on first use."""
 
     def __init__(
-        self,
-        config: EngineConfig | None = None,
-        address: str | None = None,
-        launch: EngineCoreLaunch | None = None,
+        self, config: EngineConfig | None = None, address: str | EngineCoreLaunch | None = None
     ) -> None:
-        super().__init__(config, address, launch)
+        super().__init__(config, address)
         # the handshake used the plain sockets; from here on the event loop owns them
         self.input_async = zmq.asyncio.Socket.from_socket(self.input_sock)
         self.output_async = zmq.asyncio.Socket.from_socket(self.output_sock)
