@@ -10,6 +10,7 @@ import time
 
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.executor import Executor
 from minivllm.exceptions import EngineDeadError, EngineStartupError
@@ -28,7 +29,6 @@ from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_STARTUP_TIMEOUT", "900"))
 _POLL_MS = 100
 
 
@@ -121,7 +121,8 @@ class MultiprocExecutor(Executor):
 
     def _startup(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        self._startup_timeout_s = envs.startup_timeout_s()
+        deadline = time.monotonic() + self._startup_timeout_s
         blocks: dict[int, int] = {}
         while len(blocks) < tp:
             msg = self._recv_startup(deadline)
@@ -151,7 +152,7 @@ class MultiprocExecutor(Executor):
                 raise EngineStartupError(msg.error)
             if isinstance(msg, (Rendezvous, WorkerLoaded, WorkerReady)):
                 return msg
-        raise EngineStartupError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        raise EngineStartupError(f"workers did not start within {self._startup_timeout_s:.0f} s")
 
     # ------------------------------------------------------------------ steps
 

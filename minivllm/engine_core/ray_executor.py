@@ -24,6 +24,7 @@ import time
 
 import msgspec
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.exceptions import EngineStartupError
@@ -32,7 +33,6 @@ from minivllm.protocol import transport
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "minivllm"  # where the worker actors are named (`minivllm-<core pid>-rank<r>`)
-PLACEMENT_TIMEOUT_S = float(os.environ.get("MINIVLLM_RAY_PLACEMENT_TIMEOUT", "120"))
 # what the workers should see of the engine-core's environment, on any node
 _FORWARDED_ENV = ("MINIVLLM_", "NCCL_", "GLOO_", "TORCH_", "NVSHMEM_", "OMP_", "HF_")
 
@@ -51,7 +51,7 @@ class RayWorker:
 
         from minivllm.worker.worker_process import serve
 
-        logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+        logging.basicConfig(level=envs.log_level())
         engine_config = msgspec.msgpack.decode(config, type=EngineConfig)
         host = ray.util.get_node_ip_address()
         serve(engine_config, rank, step_address, result_address, store_host=host)
@@ -100,11 +100,12 @@ class RayExecutor(MultiprocExecutor):
         gpus = 1 if self.config.device.device == "cuda" else 0
         bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
         self.placement = placement_group([bundle] * tp, strategy="PACK")
-        ready, _ = ray.wait([self.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        timeout_s = envs.ray_placement_timeout_s()
+        ready, _ = ray.wait([self.placement.ready()], timeout=timeout_s)
         if not ready:
             raise EngineStartupError(
                 f"the Ray cluster found no room for {tp} worker(s) of {bundle} in "
-                f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()})"
+                f"{timeout_s:.0f} s (free: {ray.available_resources()})"
             )
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -5,15 +5,15 @@ step when the engine shuts down. Cheap enough to leave on for a benchmark run.""
 from __future__ import annotations
 
 import json
-import os
 import time
 
+from minivllm import envs
 from minivllm.protocol.messages import SchedulerOutput
 
 
 class StepTrace:
     def __init__(self, path: str | None = None) -> None:
-        self.path = path if path is not None else os.environ.get("MINIVLLM_STEP_TRACE")
+        self.path = path if path is not None else envs.step_trace_path()
         self.records: list[list[float]] = []
 
     @property

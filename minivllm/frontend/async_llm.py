@@ -12,7 +12,6 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
-from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.dp_client import DPAsyncClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
@@ -67,7 +66,7 @@ class AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: one serving frontend over all, requests routed as with data parallelism)."""
         client = attach_async_client(address)
-        return cls(attached_engine_config(client.info).model, client, stat_loggers)
+        return cls(client.engine_config().model, client, stat_loggers)
 
     @property
     def errored(self) -> bool:

@@ -8,11 +8,7 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineCoreDeadError
-from minivllm.frontend.core_client import (
-    EngineCoreClient,
-    attached_engine_config,
-    make_sync_client,
-)
+from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import DPSyncClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.mp_client import SyncMPClient
@@ -33,9 +29,11 @@ class LLMEngine:
         self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
         self.input_processor = InputProcessor(model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if client is None and config.parallel.distributed_executor_backend == "uni":
+            client = InprocClient(config)
         if client is None and config.parallel.data_parallel_size > 1:
             client = DPSyncClient(config)
-        self.engine_core = client or make_sync_client(config)
+        self.engine_core = client or SyncMPClient(config)
         # the start-up heap never needs scanning again: full collections over it cost
         # ~100 ms each in a long generate loop
         gc.collect()
@@ -51,10 +49,10 @@ class LLMEngine:
         (a list: requests routed over them as with data parallelism)."""
         addresses = [address] if isinstance(address, str) else list(address)
         if len(addresses) == 1:
-            client: EngineCoreClient = SyncMPClient.connect(addresses[0])
+            client: SyncMPClient | DPSyncClient = SyncMPClient.connect(addresses[0])
         else:
             client = DPSyncClient.connect(addresses)
-        return cls(attached_engine_config(client.info), client=client)
+        return cls(client.engine_config(), client=client)
 
     def add_request(
         self,

@@ -235,6 +235,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[str] = []  # finished or aborted since the last step: forget them
     # preempted by this step: forget them too (one that resumes comes back in full)
     preempted_req_ids: list[str] = []
+    # leading blocks held by every running request (a shared prompt prefix): the workers
+    # may attend it once for all of them (cascade attention)
+    num_common_prefix_blocks: int = 0
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
@@ -52,7 +53,7 @@ def run_worker(
 ) -> None:
     die_with_parent(death_pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=envs.log_level())
     ready_pipe.close()
     serve(config, rank, step_address, result_address)
 
