@@ -110,9 +110,9 @@ class _DPClient:
         self.output_tokens = [0] * len(clients)
         self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
 
-    @property
-    def info(self) -> EngineCoreInfo:
-        return self.clients[0].info
+    def engine_config(self) -> EngineConfig:
+        """The config to work with when attached to daemons (they serve the same model)."""
+        return self.clients[0].engine_config()
 
     def _account(self, engine: int, out: EngineCoreOutputs) -> None:
         """Learn from one output batch of `engine` before it is handed on, its scheduler
