@@ -73,6 +73,24 @@ def test_dp2_gives_dp1_tokens_and_spreads_requests(qwen3_dir: str) -> None:
     assert wait_gone(cores, timeout=15) == []
 
 
+@pytest.mark.gpu
+def test_dp2_on_cuda_gives_dp1_tokens(qwen3_dir: str) -> None:
+    """One GPU: two engine-cores share it, each with its own 0.3 of its memory."""
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for dp in (1, 2):
+        llm = LLM(qwen3_dir, dtype="float32", data_parallel_size=dp, gpu_memory_utilization=0.3)
+        try:
+            outputs[dp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            if dp == 2:
+                balance = llm.llm_engine.engine_core.balance()
+                assert all(b["requests"] >= 3 for b in balance), balance
+        finally:
+            llm.shutdown()
+    assert outputs[2] == outputs[1]
+
+
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
