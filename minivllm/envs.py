@@ -21,6 +21,7 @@ the variable.
 | MINIVLLM_DISABLE_SYMM_ALL_REDUCE | 0       | `1`: every tensor-parallel all-reduce goes to NCCL |
 | MINIVLLM_API_KEY                 | unset   | the server's default `--api-key`                   |
 | MINIVLLM_LOG_STATS_INTERVAL      | 10      | seconds between the server's stats log lines       |
+| MINIVLLM_RAY_PLACEMENT_TIMEOUT   | 120     | seconds the Ray cluster may take to place an engine-core's workers |
 """
 
 from __future__ import annotations
@@ -88,3 +89,7 @@ def api_key() -> str | None:
 
 def log_stats_interval_s() -> float:
     return _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)
+
+
+def ray_placement_timeout_s() -> float:
+    return _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)

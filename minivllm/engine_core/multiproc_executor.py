@@ -58,19 +58,23 @@ class StepFuture:
 
 
 class MultiprocExecutor(Executor):
+    """Workers as child processes of the engine-core, steps over ipc sockets. Subclasses
+    place the workers elsewhere (`RayExecutor`) through the three `_*_workers` hooks and
+    `_address`; the start-up talk, the steps and the dead-rank handling stay the same."""
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        from minivllm.worker.worker_process import run_worker
-
         tp = config.parallel.tensor_parallel_size
         # inherited by the workers, read when their torch loads OpenMP: idle threads must not
         # spin-wait, or on a small CPU machine they starve the frontend and the engine-core
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if config.parallel.visible_devices is not None:  # this data-parallel rank's GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = config.parallel.visible_devices
         self.ipc_dir = private_ipc_dir("workers")
         self.ctx = zmq.Context()
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
         self.results, result_addr = transport.bind_socket(
-            self.ctx, zmq.PULL, transport.ipc_address(self.ipc_dir, "results")
+            self.ctx, zmq.PULL, self._address("results")
         )
         self.step_socks = []
         self.procs = []
@@ -81,30 +85,58 @@ class MultiprocExecutor(Executor):
         self.num_results = 0  # the first step (compiling, capturing) has no time limit
         self.last_result_at = 0.0
         try:
+            step_addrs = []
             for rank in range(tp):
                 sock, addr = transport.bind_socket(
-                    self.ctx, zmq.PUSH, transport.ipc_address(self.ipc_dir, f"steps-{rank}")
+                    self.ctx, zmq.PUSH, self._address(f"steps-{rank}")
                 )
                 # with no worker connected a send would block for good: see _broadcast
                 sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
                 self.step_socks.append(sock)
-                proc, ready, death = spawn(
-                    run_worker,
-                    dict(config=config, rank=rank, step_address=addr, result_address=result_addr),
-                    name=f"worker-rank{rank}",
-                )
-                ready.close()
-                self.procs.append(proc)
-                self.death_pipes.append(death)
+                step_addrs.append(addr)
+            self._start_workers(step_addrs, result_addr)
             self.num_blocks = self._startup()
         except BaseException:
             self.shutdown()
             raise
 
+    def _address(self, name: str) -> str:
+        return transport.ipc_address(self.ipc_dir, name)
+
+    def _start_workers(self, step_addrs: list[str], result_addr: str) -> None:
+        from minivllm.worker.worker_process import run_worker
+
+        for rank, addr in enumerate(step_addrs):
+            proc, ready, death = spawn(
+                run_worker,
+                dict(config=self.config, rank=rank, step_address=addr, result_address=result_addr),
+                name=f"worker-rank{rank}",
+            )
+            ready.close()
+            self.procs.append(proc)
+            self.death_pipes.append(death)
+
+    def _dead_worker(self) -> str | None:
+        """How the first dead worker ended, or None while all live."""
+        for p in self.procs:
+            if not p.is_alive():
+                return describe_exit(p)
+        return None
+
+    def _stop_workers(self, graceful: bool) -> None:
+        """End every worker: after a `ShutdownWorker` (graceful) they get 2 s to leave."""
+        if graceful:
+            deadline = time.monotonic() + 2.0
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        terminate([p for p in self.procs if p.is_alive()], timeout=5.0)
+        for pipe in self.death_pipes:
+            pipe.close()
+
     # ------------------------------------------------------------------ startup
 
     def _startup(self) -> int:
-        tp = len(self.procs)
+        tp = self.config.parallel.tensor_parallel_size
         self._startup_timeout_s = envs.startup_timeout_s()
         deadline = time.monotonic() + self._startup_timeout_s
         blocks: dict[int, int] = {}
@@ -119,7 +151,7 @@ class MultiprocExecutor(Executor):
         ready = 0
         while ready < tp:
             ready += isinstance(self._recv_startup(deadline), WorkerReady)
-        logger.info("%d worker process(es) ready: pids %s", tp, [p.pid for p in self.procs])
+        logger.info("%d worker process(es) ready", tp)
         return num_blocks
 
     def _recv_startup(self, deadline: float) -> Rendezvous | WorkerLoaded | WorkerReady:
@@ -193,28 +225,22 @@ class MultiprocExecutor(Executor):
             return None
 
     def fail_hung_step(self, step_id: int | None, what: str, rank: int = 0) -> None:
-        """A worker has not answered within execute_timeout: log every worker's stacks, kill
+        """A worker has not answered within execute_timeout: log every worker's stacks, stop
         them all and raise EngineDeadError naming the rank."""
-        proc = self.procs[rank]
+        pid = f" (pid {self.procs[rank].pid})" if self.procs else ""
         self._dead = (
-            f"worker rank {rank} (pid {proc.pid}) {what} within execute_timeout "
+            f"worker rank {rank}{pid} {what} within execute_timeout "
             f"({self.execute_timeout:g} s); the engine stopped and its workers were killed"
         )
-        if len(self.procs) > 1:
+        if len(self.step_socks) > 1:
             self._dead += " (with tensor parallelism the stuck rank may be another one)"
         logger.error("%s; the workers' Python stacks follow", self._dead)
         for p in self.procs:
             with contextlib.suppress(OSError):
                 os.kill(p.pid, signal.SIGUSR1)  # faulthandler in the worker prints its stacks
         time.sleep(0.5)
-        terminate(self.procs, timeout=2.0)
+        self._stop_workers(graceful=False)
         raise EngineDeadError(self._dead)
-
-    def _dead_worker(self) -> str | None:
-        for p in self.procs:
-            if not p.is_alive():
-                return describe_exit(p)
-        return None
 
     def check_health(self) -> None:
         if self._dead is None:
@@ -243,15 +269,11 @@ class MultiprocExecutor(Executor):
         if getattr(self, "_shut", False):
             return
         self._shut = True
-        if self._dead is None and self.step_socks:
+        graceful = self._dead is None and bool(self.step_socks)
+        if graceful:
             with contextlib.suppress(zmq.ZMQError, EngineDeadError):
                 self._broadcast(ShutdownWorker())
-            deadline = time.monotonic() + 2.0
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        terminate([p for p in self.procs if p.is_alive()], timeout=5.0)
-        for pipe in self.death_pipes:
-            pipe.close()
+        self._stop_workers(graceful)
         for sock in [*self.step_socks, self.results]:
             transport.close_socket(sock, linger=0)
         self.ctx.term()

@@ -30,10 +30,11 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> LLM:
-        """Attach to a running `minivllm engine-core` daemon instead of starting an engine;
-        `shutdown()` then detaches and leaves the daemon running. `curve`: the keys a daemon
-        on a network address asks for (`CurveClientKeys.load(server_key, secret_key)`)."""
+    def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLM:
+        """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
+        routed over all) instead of starting an engine; `shutdown()` then detaches and
+        leaves the daemons running. `curve`: the keys a daemon on a network address asks for
+        (`CurveClientKeys.load(server_key, secret_key)`)."""
         llm = cls.__new__(cls)
         llm.engine_args = None
         llm.llm_engine = LLMEngine.connect(address, curve)

@@ -20,6 +20,9 @@ import secrets
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 import msgspec
@@ -56,15 +59,52 @@ _POLL_MS = 100
 T = TypeVar("T")
 
 
+@dataclass
+class EngineCoreLaunch:
+    """A spawned engine-core that may still be starting. Spawn from the main thread: a
+    child's parent-death signal fires when the *thread* that spawned it ends."""
+
+    proc: BaseProcess
+    ready: Connection
+    death_pipe: Connection
+    ipc_dir: str
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> EngineCoreLaunch:
+        from minivllm.engine_core.core_process import run_engine_core
+
+        ipc_dir = private_ipc_dir("client")
+        proc, ready, death = spawn(
+            run_engine_core,
+            dict(
+                config=config,
+                input_address=transport.ipc_address(ipc_dir, "input"),
+                output_address=transport.ipc_address(ipc_dir, "output"),
+            ),
+            name="engine-core",
+        )
+        return cls(proc, ready, death, ipc_dir)
+
+    def cancel(self) -> None:
+        """Stop an engine-core that no client took over."""
+        terminate([self.proc], timeout=10.0)
+        self.ready.close()
+        self.death_pipe.close()
+        transport.cleanup_ipc(self.ipc_dir)
+
+
 class _MPClient:
     """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
 
     def __init__(
         self,
         config: EngineConfig | None,
-        address: str | None,
+        address: str | EngineCoreLaunch | None,
         curve: CurveClientKeys | None = None,
     ) -> None:
+        """`address`: a daemon's to attach to, or an engine-core launched for this client;
+        None spawns one for `config`. `curve`: the keys a daemon on a network address asks
+        for."""
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
         self.curve = curve
         self.proc = None
@@ -79,27 +119,19 @@ class _MPClient:
         try:
             if address is None:
                 assert config is not None
-                address = self._spawn_core(config)
+                address = EngineCoreLaunch.start(config)
+            if isinstance(address, EngineCoreLaunch):
+                address = self._await_core(address)
             self.info = self._attach(address)
         except BaseException:
             self._close()
             raise
         self.last_heard = time.monotonic()
 
-    def _spawn_core(self, config: EngineConfig) -> str:
-        from minivllm.engine_core.core_process import run_engine_core
-
-        self.ipc_dir = private_ipc_dir("client")
-        proc, ready, death = spawn(
-            run_engine_core,
-            dict(
-                config=config,
-                input_address=transport.ipc_address(self.ipc_dir, "input"),
-                output_address=transport.ipc_address(self.ipc_dir, "output"),
-            ),
-            name="engine-core",
-        )
-        self.proc, self.death_pipe = proc, death
+    def _await_core(self, launch: EngineCoreLaunch) -> str:
+        """Own the launched engine-core and wait until it listens; its input address."""
+        proc, ready = launch.proc, launch.ready
+        self.proc, self.death_pipe, self.ipc_dir = proc, launch.death_pipe, launch.ipc_dir
         timeout_s = envs.startup_timeout_s()
         deadline = time.monotonic() + timeout_s
         while not ready.poll(0.2):
@@ -222,7 +254,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig | None = None,
-        address: str | None = None,
+        address: str | EngineCoreLaunch | None = None,
         curve: CurveClientKeys | None = None,
     ) -> None:
         super().__init__(config, address, curve)
@@ -258,11 +290,22 @@ class SyncMPClient(_MPClient, EngineCoreClient):
             for abort in _aborts(request_ids):
                 self._send(abort)
 
+    def _check_alive(self, heard_nothing: bool = False) -> None:
+        # a caller that has not read for a while (idle between two generate calls) has the
+        # engine's heartbeats waiting in the socket: they are its signs of life
+        if self.dead_reason is None and time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+            while (frames := transport.recv_msg(self.output_sock, timeout_ms=0)) is not None:
+                self._take(frames)
+            heard_nothing = True  # all that was waiting has been read
+        super()._check_alive(heard_nothing)
+
     def _recv_one(self) -> None:
         frames = transport.recv_msg(self.output_sock, timeout_ms=_POLL_MS)
-        if frames is None:
-            self._check_alive(heard_nothing=True)
-            return
+        if frames is not None:
+            self._take(frames)
+        self._check_alive()
+
+    def _take(self, frames) -> None:
         msg = self._decode_output(frames)
         if msg is None:
             return
@@ -270,7 +313,6 @@ class SyncMPClient(_MPClient, EngineCoreClient):
             self._utility[msg.utility_result.call_id] = msg.utility_result
         if msg.outputs:
             self._pending.append(msg)
-        self._check_alive()
 
     def get_output(self) -> EngineCoreOutputs:
         while not self._pending:
@@ -302,7 +344,7 @@ class AsyncMPClient(_MPClient):
     def __init__(
         self,
         config: EngineConfig | None = None,
-        address: str | None = None,
+        address: str | EngineCoreLaunch | None = None,
         curve: CurveClientKeys | None = None,
     ) -> None:
         super().__init__(config, address, curve)
@@ -368,6 +410,12 @@ class AsyncMPClient(_MPClient):
         self._ensure_started()
         self._check_alive()
         await self._send(request)
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """The n > 1 children of one user request (a data-parallel client keeps them on
+        one core)."""
+        for request in requests:
+            await self.add_request_async(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if self.dead_reason is None and not self._closed:
