@@ -7,6 +7,7 @@ from minivllm.frontend.llm import LLM
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -15,6 +16,7 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

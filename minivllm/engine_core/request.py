@@ -86,6 +86,8 @@ class Request:
             sample_seed = sampling_params.seed
         self.sample_seed = sample_seed if sample_seed is not None else derive_seed(0, request_id)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
+        # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
+        self.structured_output = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:

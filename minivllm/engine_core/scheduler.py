@@ -146,6 +146,7 @@ class Scheduler:
         cached_block_ids = cached_reqs.new_block_ids
         cached_computed = cached_reqs.num_computed_tokens
         new_reqs: list[NewRequestData] = []
+        structured: list[str] = []  # requests that sample this step under a grammar
         preempted = False
 
         running = self.running
@@ -179,9 +180,12 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new >= len(request.all_token_ids):
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.structured_output is not None:
+                    structured.append(request_id)
             i += 1
 
         # a step that had to preempt has no room to spare for newcomers
+        compiling: list[Request] = []  # waiting for their grammar: the others go first
         while (
             not preempted
             and self.waiting
@@ -191,6 +195,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it has arrived
+            if request.structured_output is not None and request.structured_output.matcher is None:
+                compiling.append(self.waiting.popleft())
+                continue
             if _needs_prompt_logprobs(request):
                 hit_blocks, num_hit = [], 0
             else:
@@ -213,6 +220,9 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1
+                if request.structured_output is not None:
+                    structured.append(request.request_id)
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput(
             step_id=self.step_id,
@@ -222,6 +232,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=sorted(self.preempted_req_ids),
+            structured_output_req_ids=structured,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -267,6 +278,9 @@ class Scheduler:
                     num_generated += 1
                     if self._check_stop(request):
                         break
+            grammar = request.structured_output
+            if grammar is not None and not grammar.accept(new_token_ids):
+                request.status = RequestStatus.FINISHED_ERROR
             status = request.status
             if status >= RequestStatus.FINISHED_STOPPED:
                 self._finish(request, status)
@@ -277,6 +291,8 @@ class Scheduler:
                 request.stop_reason,
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
             )
+            if status == RequestStatus.FINISHED_ERROR:
+                out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
             if request.client_id != last_client:
                 last_client = request.client_id
                 client_outputs = outputs.setdefault(last_client, [])

@@ -27,6 +27,7 @@ from minivllm.config import EngineConfig
 from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
+    GrammarBitmask,
     InitKVCache,
     ModelRunnerOutput,
     Rendezvous,
@@ -80,6 +81,16 @@ def run_worker(
             except ValueError as e:
                 logger.warning("worker %d dropped an undecodable message: %s", rank, e)
 
+    def recv_bitmask() -> GrammarBitmask:
+        """A step with structured outputs: the core sends its bitmask next, before any other
+        step (it may send a shutdown instead, if it stops meanwhile)."""
+        msg = recv()
+        if isinstance(msg, ShutdownWorker):
+            raise _Shutdown
+        if not isinstance(msg, GrammarBitmask):
+            raise RuntimeError(f"expected a grammar bitmask, got {type(msg).__name__}")
+        return msg
+
     step_id = -1
     try:
         store = None
@@ -99,7 +110,7 @@ def run_worker(
                 profiler.step()
                 # launch and move on: the sender thread waits for the output, so the next
                 # step is received and queued on the GPU behind this one
-                out = worker.execute_model_async(msg)
+                out = worker.execute_model_async(msg, recv_bitmask)
                 if out is not None:
                     send(out)
             elif isinstance(msg, InitKVCache):
@@ -110,6 +121,8 @@ def run_worker(
                 send(WorkerReady(rank, os.getpid()))
             elif isinstance(msg, ShutdownWorker):
                 break
+    except _Shutdown:
+        pass
     except Exception:
         send(ModelRunnerOutput(step_id=step_id, error=_log_failure(rank)))
         outbox.put(None)
@@ -121,6 +134,10 @@ def run_worker(
     transport.close_socket(steps, linger=0)
     results.context.term()
     ctx.term()
+
+
+class _Shutdown(Exception):
+    """The engine-core asked this worker to stop while a step waited for its bitmask."""
 
 
 def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
