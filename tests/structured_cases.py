@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 
-from minivllm import StructuredOutputsParams
+from minivllm import SamplingParams, StructuredOutputsParams
 
 # objects, arrays, enums, integers (with ranges), a nested object, strings with patterns
 SCHEMA = {
@@ -44,14 +45,28 @@ EBNF = 'root ::= nest\nnest ::= "(" nest ")" | "[" nest "]" | [a-e]'
 
 
 def constraints() -> dict[str, StructuredOutputsParams]:
-    """One of each kind; JSON without free whitespace, which a random model would fill."""
+    """One of each kind; JSON without free whitespace, which a random model would fill.
+    (`json_object` allows free strings, which a random model seldom closes: see
+    `json_object_params`.)"""
     return {
         "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
         "regex": StructuredOutputsParams(regex=REGEX),
         "choice": StructuredOutputsParams(choice=CHOICES),
         "ebnf": StructuredOutputsParams(grammar=EBNF),
-        "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
     }
+
+
+def json_object_params(tokenizer: Any, **kwargs: Any) -> SamplingParams:
+    """Any JSON object, with the closing quote and brace favoured by a logit bias (applied
+    after the grammar's mask, so it can only choose among what the grammar allows)."""
+    favoured = tokenizer.convert_tokens_to_ids(['"', "}"])
+    return SamplingParams(
+        temperature=1.0,
+        max_tokens=120,
+        logit_bias={t: 6.0 for t in favoured},
+        structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+        **kwargs,
+    )
 
 
 def check_text(kind: str, text: str) -> None:

@@ -16,7 +16,7 @@ from minivllm.engine_core.structured_output.grammar import GrammarCompiler
 from minivllm.protocol.messages import EngineCoreRequest, FinishReason
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
-from tests.structured_cases import check_text, constraints
+from tests.structured_cases import check_text, constraints, json_object_params
 
 EOS = [0]
 
@@ -72,6 +72,9 @@ def test_every_output_follows_its_grammar(qwen3_dir, tokenizer, async_scheduling
                 kinds[req_id] = kind
                 core.add_request(request(req_id, [5 + i, 9, 30 + i], so, seed=i))
         core.add_request(request("free", [5, 9, 30], None, max_tokens=20, ignore_eos=True))
+        params = json_object_params(tokenizer, seed=1)
+        core.add_request(EngineCoreRequest("json_object", [5, 9], params, eos_token_ids=EOS))
+        kinds["json_object"] = "json_object"
         results = run(core)
     finally:
         core.shutdown()
