@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 
-from minivllm.protocol.messages import EngineCoreRequest, FinishReason
+from minivllm.protocol.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
 
@@ -88,6 +94,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
         # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
         self.structured_output = None
+        self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:
@@ -101,6 +108,13 @@ class Request:
             client_id=req.client_id,
             sample_seed=derive_seed(engine_seed, req.request_id),
         )
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time()))
+
+    def take_events(self) -> list[EngineCoreEvent]:
+        events, self.events = self.events, []
+        return events
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -25,6 +25,7 @@ from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.protocol.messages import (
     CachedRequestData,
+    EngineCoreEventType,
     EngineCoreOutput,
     FinishReason,
     LogprobsArrays,
@@ -87,6 +88,7 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(
         self,
@@ -211,6 +213,7 @@ class Scheduler:
             self.waiting.popleft()
             running.append(request)
             request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -293,6 +296,8 @@ class Scheduler:
             )
             if status == RequestStatus.FINISHED_ERROR:
                 out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
+            if request.events:
+                out.events = request.take_events()
             if request.client_id != last_client:
                 last_client = request.client_id
                 client_outputs = outputs.setdefault(last_client, [])
@@ -347,6 +352,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
         self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:

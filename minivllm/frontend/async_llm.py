@@ -14,6 +14,7 @@ from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
 from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
@@ -25,11 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """Spawns its own engine-core (`from_engine_args`) or attaches to a daemon (`connect`)."""
+    """Spawns its own engine-core (`from_engine_args`) or attaches to a daemon (`connect`).
+    With `stat_loggers`, request timings and scheduler stats are fed to them (metrics/)."""
 
-    def __init__(self, model_config: ModelConfig, client: AsyncMPClient) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        client: AsyncMPClient,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
         self.model_config = model_config
         self.client = client
+        self.stats = StatsCollector(stat_loggers) if stat_loggers else None
         skip = model_config.skip_tokenizer_init
         self.tokenizer = None if skip else load_tokenizer(model_config.tokenizer)
         self.input_processor = InputProcessor(model_config, self.tokenizer)
@@ -44,15 +52,17 @@ class AsyncLLM:
         gc.freeze()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        return cls(config.model, AsyncMPClient(config))
+        return cls(config.model, AsyncMPClient(config), stat_loggers)
 
     @classmethod
-    def connect(cls, address: str) -> AsyncLLM:
+    def connect(cls, address: str, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
         client = AsyncMPClient.connect(address)
-        return cls(attached_engine_config(client.info).model, client)
+        return cls(attached_engine_config(client.info).model, client, stat_loggers)
 
     @property
     def errored(self) -> bool:
@@ -75,6 +85,8 @@ class AsyncLLM:
             request_id, prompt, sampling_params, self.input_processor, queue=queue
         )
         self._queues[request_id] = queue
+        if self.stats is not None:
+            self.stats.add_requests(requests)
         finished = False
         try:
             for request in requests:
@@ -103,6 +115,8 @@ class AsyncLLM:
 
     def _abort_now(self, request_id: str) -> None:
         internal = self.output_processor.abort_user_requests([request_id])
+        if self.stats is not None:
+            self.stats.abort(internal)
         if internal and self.dead is None:
             task = asyncio.ensure_future(self.client.abort_requests_async(internal))
             task.add_done_callback(_log_failure)
@@ -118,6 +132,8 @@ class AsyncLLM:
             while True:
                 outputs = await self.client.get_output_async()
                 processed = self.output_processor.process_outputs(outputs.outputs)
+                if self.stats is not None:
+                    self.stats.record(outputs, processed.reqs_to_abort)
                 for request_id, error in processed.errors.items():
                     queue = self._queues.get(request_id)
                     if queue is not None:
@@ -135,6 +151,11 @@ class AsyncLLM:
             self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
             for queue in self._queues.values():
                 queue.put(self.dead)
+
+    def do_log_stats(self) -> None:
+        """Have the stat loggers report (the periodic log line)."""
+        if self.stats is not None:
+            self.stats.log()
 
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async(UtilityMethod.STATS)

@@ -1,4 +1,4 @@
-"""`minivllm` command line: the engine-core daemon and the benchmarks."""
+"""`minivllm` command line: the engine-core daemon, the server and the benchmarks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_core(sub)
     from minivllm.frontend.bench import add_bench_parser
+    from minivllm.frontend.server.serve import add_serve_parser
 
+    add_serve_parser(sub)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)

@@ -66,7 +66,7 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
-        self._validate_params(params)
+        self.validate_params(params)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         min_tokens = min(params.min_tokens, max_tokens)
@@ -97,8 +97,10 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Render a conversation with the tokenizer's (or the given) chat template.
+        """Render a conversation with the tokenizer's (or the given) chat template;
+        `template_kwargs` are passed to the template (e.g. `enable_thinking`).
 
         Returns a prompt dict (`{"prompt": text, "prompt_token_ids": ids}`) for `process`;
         the template already holds the special tokens, so none are added when encoding.
@@ -116,6 +118,7 @@ class InputProcessor:
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **(template_kwargs or {}),
         )
         return {
             "prompt": text,
@@ -165,7 +168,9 @@ class InputProcessor:
                 "than the prompt length, so at least one token can be generated."
             )
 
-    def _validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams) -> None:
+        """The checks of `params` that need the model or the tokenizer (`process` makes
+        them too; a server makes them before it starts a stream)."""
         vocab = self.model_config.vocab_size
         max_logprobs = self.model_config.max_logprobs
         if max_logprobs == -1:

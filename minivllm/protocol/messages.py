@@ -114,6 +114,21 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """Moments in a request's life in the engine-core, for queue / prefill / decode times."""
+
+    QUEUED = 0  # accepted by the scheduler
+    SCHEDULED = 1  # taken from the waiting queue (again after each preemption)
+    PREEMPTED = 2  # its KV freed; back to the waiting queue
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """One such moment, on the engine-core's clock (`time.time()`)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What happened to one request in one step."""
 
@@ -123,6 +138,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason=ERROR
+    events: list[EngineCoreEvent] | None = None  # since the previous output of this request
     new_logprobs: LogprobsArrays | None = None  # one row per new token, if asked for
     # the logprobs of prompt tokens 1.. (one row each), sent once, with the first token
     new_prompt_logprobs: LogprobsArrays | None = None

@@ -6,10 +6,11 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="throughput, latency and engine-overhead benchmarks")
+    p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    from minivllm.frontend.bench import latency, overhead, throughput
+    from minivllm.frontend.bench import latency, overhead, serve, throughput
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
     overhead.add_parser(bench_sub)

@@ -1,0 +1,312 @@
+"""`minivllm bench serve`: load an OpenAI-compatible server (`minivllm serve`, `vllm serve`)
+and print vLLM's `bench serve` result table.
+
+Requests go to /v1/completions, streamed (`stream_options.include_usage`), with the prompt as
+token ids. They arrive as a Poisson process at --request-rate (default inf: all at once),
+at most --max-concurrency in flight. Several rates run one after another; --plot draws their
+latencies against the rate. --save-result writes vLLM's result JSON (one file per rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, summarize
+from minivllm.frontend.bench.workloads import REFERENCE_TEMPERATURE, Workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server (vLLM's `bench serve`)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    p.add_argument("--tokenizer", default=None, help="model directory for the vocabulary size")
+    p.add_argument("--dataset-name", choices=("random", "reference"), default="random")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")])
+    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent first, untimed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.set_defaults(func=main)
+
+
+def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload, float | None]:
+    """The requests and the temperature to ask for (None: the server's default)."""
+    if args.dataset_name == "reference":
+        from minivllm.frontend.bench.workloads import reference_workload
+
+        workload = reference_workload()
+        if args.num_prompts < len(workload.prompts):
+            workload = workload.subset(args.num_prompts)
+        temperature = REFERENCE_TEMPERATURE if args.temperature is None else args.temperature
+        return workload, temperature
+    from minivllm.frontend.bench.common import max_token_id
+    from minivllm.frontend.bench.random_dataset import sample_random
+
+    max_id = 10000
+    if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
+        max_id = max_token_id(model_dir)
+    else:
+        print("No --tokenizer directory: prompt ids drawn from 0..10000")
+    workload = sample_random(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        max_id,
+        args.seed,
+        args.random_prefix_len,
+    )
+    return workload, args.temperature
+
+
+def warmups(workload: Workload, n: int) -> Workload:
+    """n requests of the workload's median prompt length (16 tokens out), other prompts
+    than the workload's, so the prefix cache gives the timed run nothing."""
+    from minivllm.frontend.bench.random_dataset import sample_random
+
+    length = int(np.median([len(p) for p in workload.prompts]))
+    max_id = max(max(p) for p in workload.prompts)
+    return sample_random(n, length, 16, max_token_id=max_id, seed=12345)
+
+
+async def _arrivals(n: int, rate: float, burstiness: float, seed: int):
+    """Yield 0..n-1, spaced by gamma-distributed gaps of mean 1/rate (Poisson at 1.0)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        yield i
+        if rate != float("inf") and i + 1 < n:
+            await asyncio.sleep(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a completions stream chunk that the benchmark reads."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+async def _request(
+    session, url: str, payload: dict, prompt_len: int, headers: dict
+) -> RequestResult:
+    """Stream one completion; events that arrive in one read share its timestamp (as in
+    vLLM's client)."""
+    result = RequestResult(prompt_len)
+    text: list[str] = []
+    pending = b""
+    start = last = time.perf_counter()
+    result.start_time = start
+    try:
+        async with session.post(url, json=payload, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for data in response.content.iter_any():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue
+                    chunk = _decode_chunk(event[6:])
+                    if chunk.choices:
+                        if not text:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        text.append(chunk.choices[0].text or "")
+                    elif chunk.usage is not None:
+                        result.output_tokens = chunk.usage.completion_tokens
+                    elif chunk.error is not None:
+                        result.error = str(chunk.error)
+                        return result
+        result.latency = last - start
+        result.generated_text = "".join(text)
+        result.success = bool(text)
+        if not result.success:
+            result.error = "no token arrived"
+    except Exception as e:  # a benchmark records failures; it does not stop on them
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_once(
+    args: argparse.Namespace,
+    url: str,
+    model: str,
+    workload: Workload,
+    temperature: float | None,
+    rate: float,
+) -> tuple[list[RequestResult], float]:
+    """Send the whole workload at `rate`; (per-request results, duration)."""
+    import aiohttp
+
+    limit = args.max_concurrency or 0
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    def payload(i: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": workload.prompts[i],
+            "max_tokens": workload.output_lens[i],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if args.ignore_eos or args.dataset_name == "reference":
+            body["ignore_eos"] = True
+        if temperature is not None:
+            body["temperature"] = temperature
+        return body
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(i: int) -> RequestResult:
+            if semaphore is None:
+                return await _request(session, url, payload(i), len(workload.prompts[i]), headers)
+            async with semaphore:
+                return await _request(session, url, payload(i), len(workload.prompts[i]), headers)
+
+        start = time.perf_counter()
+        tasks = []
+        async for i in _arrivals(len(workload.prompts), rate, args.burstiness, args.seed):
+            tasks.append(asyncio.create_task(one(i)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def _first_model(base_url: str, api_key: str | None) -> str:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{base_url}/v1/models", headers=headers) as response,
+    ):
+        return (await response.json())["data"][0]["id"]
+
+
+def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import uvloop
+
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    model = args.model or uvloop.run(_first_model(base_url, args.api_key))
+    workload, temperature = _workload(args, args.tokenizer or args.model)
+    print(
+        f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "
+        f"{workload.num_output_tokens} output tokens at most; model {model!r} at {base_url}"
+    )
+    if args.num_warmups:
+        uvloop.run(
+            run_once(
+                args,
+                base_url + args.endpoint,
+                model,
+                warmups(workload, args.num_warmups),
+                temperature,
+                float("inf"),
+            )
+        )
+        print(f"Warmed up with {args.num_warmups} requests")
+    runs = []
+    for rate in args.request_rate:
+        print(f"Traffic request rate: {rate}")
+        print(
+            f"Burstiness factor: {args.burstiness} (Poisson process)"
+            if args.burstiness == 1.0
+            else f"Burstiness factor: {args.burstiness} (Gamma distribution)"
+        )
+        print(f"Maximum request concurrency: {args.max_concurrency}")
+        results, duration = uvloop.run(
+            run_once(args, base_url + args.endpoint, model, workload, temperature, rate)
+        )
+        result = summarize(results, duration, percentiles, metrics, args.max_concurrency, rate)
+        result.update(
+            date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+            backend="openai",
+            model_id=model,
+            dataset_name=args.dataset_name,
+            num_prompts=len(workload.prompts),
+            request_rate=rate if rate != float("inf") else "inf",
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+        )
+        if args.save_result:
+            _save(args, result, model, rate)
+        runs.append({**result, "request_rate": rate})
+    if args.plot:
+        plot(runs, metrics, percentiles, args.plot)
+        print(f"Plot written to {args.plot}")
+    return runs
+
+
+def _save(args: argparse.Namespace, result: dict[str, Any], model: str, rate: float) -> None:
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    name = f"openai-{rate}qps{concurrency}-{model.split('/')[-1]}-{result['date']}.json"
+    if args.result_filename:
+        name = args.result_filename
+        if len(args.request_rate) > 1:
+            stem, ext = os.path.splitext(name)
+            name = f"{stem}-{rate}qps{ext}"
+    if args.result_dir:
+        os.makedirs(args.result_dir, exist_ok=True)
+        name = os.path.join(args.result_dir, name)
+    with open(name, "w") as f:
+        json.dump(result, f)
+    print(f"Results written to {name}")
+
+
+def run(argv: list[str]) -> list[dict[str, Any]]:
+    """`minivllm bench serve ARGV` in this process; the result dict of each rate."""
+    parser = argparse.ArgumentParser(prog="minivllm bench")
+    add_parser(parser.add_subparsers())
+    return main(parser.parse_args(["serve", *argv]))

@@ -1,0 +1,121 @@
+"""The periodic stats log line, in vLLM's words:
+
+    Engine 000: Avg prompt throughput: 512.3 tokens/s, Avg generation throughput: 2048.0
+    tokens/s, Running: 64 reqs, Waiting: 0 reqs, GPU KV cache usage: 12.5%, Prefix cache
+    hit rate: 50.0%
+
+Prompt throughput counts the prompt tokens computed (prefix-cache hits excluded) since the
+previous line. The hit rate is over the last 1000 engine steps that looked prompts up in the
+prefix cache (vLLM: the last 1000 requests). An idle
+engine (nothing in this interval nor the previous one) logs at DEBUG only, so a quiet server
+keeps a quiet log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
+
+logger = logging.getLogger("minivllm.stats")
+
+
+class PrefixCacheHitRate:
+    """Hit rate over the last `max_updates` scheduler updates that looked tokens up."""
+
+    def __init__(self, max_updates: int = 1000) -> None:
+        self.max_updates = max_updates
+        self.window: deque[tuple[int, int]] = deque()  # (queries, hits) per update
+        self.queries = self.hits = 0
+
+    def observe(self, queries: int, hits: int) -> None:
+        if queries <= 0:
+            return
+        self.window.append((queries, hits))
+        self.queries += queries
+        self.hits += hits
+        while len(self.window) > self.max_updates:
+            old_queries, old_hits = self.window.popleft()
+            self.queries -= old_queries
+            self.hits -= old_hits
+
+    @property
+    def empty(self) -> bool:
+        return self.queries == 0
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class LoggingStatLogger:
+    """Accumulates token counts between `log()` calls and prints vLLM's stats line."""
+
+    def __init__(self, kv_cache_device: str = "GPU", engine_index: int = 0) -> None:
+        self.prefix = f"Engine {engine_index:03d}: "
+        self.kv_cache_device = kv_cache_device
+        self.last_log_time = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self.last_prompt_throughput = self.last_generation_throughput = 0.0
+        self.scheduler: SchedulerUpdate | None = None
+        self.prefix_cache = PrefixCacheHitRate()
+
+    def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
+        if iteration is not None:
+            self.num_prompt_tokens += (
+                iteration.num_prompt_tokens - iteration.num_cached_prompt_tokens
+            )
+            self.num_generation_tokens += iteration.num_generation_tokens
+        if scheduler is not None:
+            self.scheduler = scheduler
+            self.num_preemptions += scheduler.new_preemptions
+            self.prefix_cache.observe(
+                scheduler.new_prefix_cache_queries, scheduler.new_prefix_cache_hits
+            )
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log_time, 1e-9)
+        prompt_throughput = self.num_prompt_tokens / elapsed
+        generation_throughput = self.num_generation_tokens / elapsed
+        idle = not any(
+            (
+                prompt_throughput,
+                generation_throughput,
+                self.last_prompt_throughput,
+                self.last_generation_throughput,
+            )
+        )
+        self.last_prompt_throughput = prompt_throughput
+        self.last_generation_throughput = generation_throughput
+        preemptions = self.num_preemptions
+        self.last_log_time = now
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_preemptions = 0
+
+        scheduler = self.scheduler
+        parts = [
+            "Avg prompt throughput: %.1f tokens/s",
+            "Avg generation throughput: %.1f tokens/s",
+            "Running: %d reqs",
+            "Waiting: %d reqs",
+        ]
+        args: list[object] = [
+            prompt_throughput,
+            generation_throughput,
+            scheduler.num_running if scheduler else 0,
+            scheduler.num_waiting if scheduler else 0,
+        ]
+        if preemptions:
+            parts.append("Preemptions: %d")
+            args.append(preemptions)
+        parts.append("%s KV cache usage: %.1f%%")
+        args += [self.kv_cache_device, 100 * (scheduler.kv_cache_usage if scheduler else 0.0)]
+        if not self.prefix_cache.empty:
+            parts.append("Prefix cache hit rate: %.1f%%")
+            args.append(100 * self.prefix_cache.rate)
+        log = logger.debug if idle else logger.info
+        log(self.prefix + ", ".join(parts), *args)

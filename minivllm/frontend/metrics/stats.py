@@ -1,0 +1,260 @@
+"""Request timings and token counts, read off the stream of engine-core outputs.
+
+`StatsCollector` sees each `EngineCoreOutputs` batch once (from `AsyncLLM`'s output handler),
+plus the requests it adds and aborts, and hands the stat loggers one `IterationStats` per
+batch and one `SchedulerUpdate` per scheduler snapshot. Definitions follow vLLM's:
+
+- TTFT: arrival in the frontend to the frontend's receipt of the first token;
+- inter-token latency: between the engine-core timestamps of consecutive outputs;
+- e2e latency: arrival to the frontend's receipt of the last output;
+- queue time: queued to first scheduled in the engine-core; prefill time: first scheduled
+  to first token; decode time: first to last token; inference time: first scheduled to
+  last token (all engine-core clock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from minivllm.protocol.messages import (
+    EngineCoreEventType,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+
+
+@dataclass
+class FinishedRequestStats:
+    """One engine request (one of the `n` of a user request) that ended."""
+
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int | None
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    inference_time: float = 0.0
+    decode_time: float = 0.0
+    mean_time_per_output_token: float = 0.0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine-core outputs did, as far as this frontend's requests go."""
+
+    timestamp: float  # frontend clock, when the batch was processed
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompts of the requests that got their first token here
+    num_cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # per user request that ended here: its n, and the most tokens any of its n generated
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerUpdate:
+    """The engine-core's scheduler as last reported, with its cumulative counters turned
+    into increments since the previous report this frontend saw (the first report counts
+    everything since the engine started, so a counter equals the engine's total)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    new_prefix_cache_queries: int
+    new_prefix_cache_hits: int
+    new_preemptions: int
+
+
+class StatLogger(Protocol):
+    """Anything that consumes the collector's stats (`record`) and may report them (`log`)."""
+
+    def record(
+        self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None
+    ) -> None: ...
+
+    def log(self) -> None: ...
+
+
+class _Group:
+    """The n engine requests of one user request."""
+
+    __slots__ = ("n", "unfinished", "max_generation_tokens")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.unfinished = n
+        self.max_generation_tokens = 0
+
+
+class _RequestTimes:
+    __slots__ = (
+        "group",
+        "arrival_time",
+        "num_prompt_tokens",
+        "max_tokens",
+        "queued_ts",
+        "scheduled_ts",
+        "first_token_ts",
+        "last_token_ts",
+        "num_generation_tokens",
+        "num_preemptions",
+        "num_cached_tokens",
+    )
+
+    def __init__(self, request: EngineCoreRequest, group: _Group) -> None:
+        self.group = group
+        self.arrival_time = request.arrival_time
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.max_tokens = request.sampling_params.max_tokens
+        self.queued_ts = self.scheduled_ts = 0.0
+        self.first_token_ts = self.last_token_ts = 0.0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+
+
+_QUEUED, _SCHEDULED, _PREEMPTED = (
+    EngineCoreEventType.QUEUED,
+    EngineCoreEventType.SCHEDULED,
+    EngineCoreEventType.PREEMPTED,
+)
+
+
+class StatsCollector:
+    """Tracks this frontend's engine requests from `add_requests` to their end and feeds
+    the stat loggers. Requests it does not know (added before it, or by another frontend)
+    are ignored."""
+
+    def __init__(self, loggers: list[StatLogger]) -> None:
+        self.loggers = loggers
+        self.requests: dict[str, _RequestTimes] = {}  # by engine-internal id
+        self._last_cumulative = SchedulerStats()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """The engine requests of one user request (n of them for n > 1)."""
+        group = _Group(len(requests))
+        for request in requests:
+            self.requests[request.request_id] = _RequestTimes(request, group)
+
+    def record(self, outputs: EngineCoreOutputs, ended_here: Iterable[str] = ()) -> None:
+        """One batch from the engine-core; `ended_here` are the internal ids the frontend
+        ended in it (by a stop string) while the engine-core still runs them."""
+        now = time.time()
+        it = IterationStats(now)
+        engine_ts = outputs.timestamp or now
+        requests = self.requests
+        for out in outputs.outputs:
+            times = requests.get(out.request_id)
+            if times is None:
+                continue
+            if out.events:
+                self._apply_events(times, out.events)
+            num_new = len(out.new_token_ids)
+            if num_new:
+                it.num_generation_tokens += num_new
+                if times.num_generation_tokens == 0:
+                    it.time_to_first_tokens.append(now - times.arrival_time)
+                    it.num_prompt_tokens += times.num_prompt_tokens
+                    it.num_cached_prompt_tokens += out.num_cached_tokens
+                    times.num_cached_tokens = out.num_cached_tokens
+                    times.first_token_ts = engine_ts
+                else:
+                    it.inter_token_latencies.append(engine_ts - times.last_token_ts)
+                times.num_generation_tokens += num_new
+                times.last_token_ts = engine_ts
+            if out.finish_reason is not None:
+                self._finish(out.request_id, str(out.finish_reason), it)
+        for internal_id in ended_here:
+            self._finish(internal_id, "stop", it)
+        scheduler = None
+        if outputs.scheduler_stats is not None:
+            scheduler = self._scheduler_update(outputs.scheduler_stats)
+        for logger in self.loggers:
+            logger.record(scheduler, it)
+
+    def abort(self, internal_ids: Iterable[str]) -> None:
+        """Requests the frontend aborted (the client left, or cancelled)."""
+        it = IterationStats(time.time())
+        for internal_id in internal_ids:
+            self._finish(internal_id, "abort", it)
+        if it.finished_requests:
+            for logger in self.loggers:
+                logger.record(None, it)
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """A snapshot asked for outside the output stream (a scrape, an idle engine)."""
+        update = self._scheduler_update(stats)
+        for logger in self.loggers:
+            logger.record(update, None)
+
+    def log(self) -> None:
+        for logger in self.loggers:
+            logger.log()
+
+    def _apply_events(self, times: _RequestTimes, events: list) -> None:
+        for event in events:
+            if event.type == _QUEUED:
+                times.queued_ts = event.timestamp
+            elif event.type == _SCHEDULED:
+                if not times.scheduled_ts:  # the first time; later ones follow preemptions
+                    times.scheduled_ts = event.timestamp
+            elif event.type == _PREEMPTED:
+                times.num_preemptions += 1
+
+    def _finish(self, internal_id: str, reason: str, it: IterationStats) -> None:
+        times = self.requests.pop(internal_id, None)
+        if times is None:
+            return
+        num_gen = times.num_generation_tokens
+        started = times.scheduled_ts > 0 and times.first_token_ts > 0
+        decode_time = times.last_token_ts - times.first_token_ts if started else 0.0
+        it.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=reason,
+                e2e_latency=it.timestamp - times.arrival_time,
+                num_prompt_tokens=times.num_prompt_tokens,
+                num_generation_tokens=num_gen,
+                max_tokens_param=times.max_tokens,
+                queued_time=max(0.0, times.scheduled_ts - times.queued_ts) if started else 0.0,
+                prefill_time=times.first_token_ts - times.scheduled_ts if started else 0.0,
+                inference_time=times.last_token_ts - times.scheduled_ts if started else 0.0,
+                decode_time=decode_time,
+                mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
+                num_preemptions=times.num_preemptions,
+                num_cached_tokens=times.num_cached_tokens,
+            )
+        )
+        group = times.group
+        group.unfinished -= 1
+        group.max_generation_tokens = max(group.max_generation_tokens, num_gen)
+        if group.unfinished == 0:
+            it.n_params.append(group.n)
+            it.max_num_generation_tokens.append(group.max_generation_tokens)
+
+    def _scheduler_update(self, stats: SchedulerStats) -> SchedulerUpdate:
+        last, self._last_cumulative = self._last_cumulative, stats
+        return SchedulerUpdate(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            new_prefix_cache_queries=_increase(
+                last.prefix_cache_queries, stats.prefix_cache_queries
+            ),
+            new_prefix_cache_hits=_increase(last.prefix_cache_hits, stats.prefix_cache_hits),
+            new_preemptions=_increase(last.num_preemptions, stats.num_preemptions),
+        )
+
+
+def _increase(last: int, now: int) -> int:
+    # a cumulative counter that went down was reset (a restarted daemon): count from zero
+    return now - last if now >= last else now

@@ -1,0 +1,84 @@
+"""Start `minivllm serve` in a subprocess and wait until it answers: for benchmarks and tests.
+
+The server binds its port itself (`--port 0` picks a free one) and prints its address
+before starting the engine, so nothing probes for a free port and races to bind it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+class ServerProcess:
+    """`python -m minivllm.frontend.cli serve ARGS --port 0`; `url` is where it listens.
+    Its stderr goes to `log_path` (or is discarded)."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 900.0,
+    ) -> None:
+        self.log_path = log_path
+        log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minivllm.frontend.cli", "serve", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+        if log_path:
+            log.close()  # the child holds its own descriptor
+        line = self.proc.stdout.readline()
+        if "http://" not in line:
+            self.stop()
+            raise RuntimeError(f"minivllm serve did not start: {line!r}\n{self.read_log()}")
+        self.url = line.strip().rsplit(" ", 1)[-1]
+        self.wait_healthy(startup_timeout)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"minivllm serve never became healthy\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the server shuts its engine down), SIGKILL after `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,84 @@
+"""Request fields -> `SamplingParams`, with vLLM's names. A field reaches SamplingParams
+only when the client sent it, so SamplingParams' defaults stay the defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.frontend.server.errors import OpenAIError, from_value_error
+from minivllm.frontend.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# passed on when sent (not None)
+_OPTIONAL = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty")
+_OPTIONAL += ("frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words")
+_OPTIONAL += ("stop_token_ids", "prompt_logprobs")
+
+
+def completion_sampling_params(request: CompletionRequest, stream: bool) -> SamplingParams:
+    """SamplingParams for /v1/completions; `logprobs` is the number of top tokens."""
+    values = _common(request)
+    values["logprobs"] = request.logprobs
+    if request.echo and request.logprobs is not None:
+        values["prompt_logprobs"] = request.logprobs  # echoed prompt tokens get theirs too
+    values["max_tokens"] = request.max_tokens
+    return _build(values, stream)
+
+
+def chat_sampling_params(request: ChatCompletionRequest, stream: bool) -> SamplingParams:
+    """SamplingParams for /v1/chat/completions; `logprobs` is a switch, `top_logprobs` the
+    number of alternatives."""
+    values = _common(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError(
+            "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true",
+            param="top_logprobs",
+        )
+    if request.logprobs:
+        values["logprobs"] = request.top_logprobs or 0
+    max_tokens = request.max_completion_tokens
+    values["max_tokens"] = max_tokens if max_tokens is not None else request.max_tokens
+    return _build(values, stream)
+
+
+def _common(request: SamplingFields) -> dict[str, Any]:
+    values: dict[str, Any] = {"n": request.n}
+    for name in _OPTIONAL:
+        value = getattr(request, name)
+        if value is not None:
+            values[name] = value
+    if request.stop is not None:
+        values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.logit_bias:
+        values["logit_bias"] = _logit_bias(request.logit_bias)
+    values["ignore_eos"] = request.ignore_eos
+    values["min_tokens"] = request.min_tokens
+    values["include_stop_str_in_output"] = request.include_stop_str_in_output
+    values["skip_special_tokens"] = request.skip_special_tokens
+    return values
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(
+                f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        out[token_id] = min(100.0, max(-100.0, value))  # OpenAI's range
+    return out
+
+
+def _build(values: dict[str, Any], stream: bool) -> SamplingParams:
+    values["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        raise from_value_error(e, _FIELDS) from None

@@ -1,0 +1,121 @@
+"""`minivllm serve MODEL [engine args]` or `minivllm serve --connect ADDRESS`: the
+OpenAI-compatible server on uvicorn (uvloop, httptools).
+
+With `--connect` it is one more client of a running `minivllm engine-core` daemon; any
+number of API processes may attach to one daemon, each with its own port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from minivllm.frontend.arg_utils import add_engine_args
+
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="model directory (or --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"))
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the model answers to; the first is reported (default: the model path)",
+    )
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    p.add_argument("--connect", default=None, metavar="ADDRESS", help="attach to a daemon")
+    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(p, model_required=False)
+    p.set_defaults(func=run_server)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """A file's contents, or the value itself when it is not a file (an inline template)."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value) as f:
+        return f.read()
+
+
+def build_state(args: argparse.Namespace):
+    """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
+    from minivllm.frontend.async_llm import AsyncLLM
+    from minivllm.frontend.metrics.loggers import LoggingStatLogger
+    from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
+    from minivllm.frontend.mp_client import AsyncMPClient
+    from minivllm.frontend.server.app import ServerState
+
+    if args.connect:
+        import torch
+
+        from minivllm.frontend.core_client import attached_engine_config
+
+        client = AsyncMPClient.connect(args.connect)
+        model_config = attached_engine_config(client.info).model
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        from minivllm.frontend.arg_utils import engine_args_from
+
+        model = args.model_tag or args.model
+        if not model:
+            raise SystemExit("minivllm serve: name a model directory (or use --connect)")
+        try:
+            config = engine_args_from(args, model=model).create_engine_config()
+        except ValueError as e:
+            raise SystemExit(f"minivllm serve: {e}") from None
+        model_config, device = config.model, config.device.device
+        client = AsyncMPClient(config)
+    names = args.served_model_name or [model_config.model]
+    metrics = loggers = None
+    if not args.disable_log_stats:
+        metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
+        loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
+    engine = AsyncLLM(model_config, client, loggers)
+    return ServerState(engine, names, _chat_template(args.chat_template), args.api_key, metrics)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from minivllm.frontend.server.app import build_app
+    from minivllm.frontend.server.streaming import with_server_send
+
+    logging.basicConfig(
+        level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
+    # bound before anything starts, so a port in use fails fast and port 0 can be reported
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise SystemExit(f"minivllm serve: cannot listen on {args.host}:{args.port}: {e}") from None
+    state = build_state(args)
+    config = uvicorn.Config(
+        with_server_send(build_app(state)),
+        loop="uvloop",
+        http="httptools",
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    port = sock.getsockname()[1]
+    print(f"minivllm serve: model {state.model_name!r} at http://{args.host}:{port}", flush=True)
+    server.run(sockets=[sock])
+    sys.exit(0)
