@@ -53,6 +53,17 @@ def check_bitmask(device: str, dtype: torch.dtype, rows: int, vocab: int) -> Non
     assert torch.equal(empty, logits)
 
 
+def test_masked_tokens_are_never_drawn_on_cpu() -> None:
+    """Seed 7 at position 1 draws the CPU sampler's largest noise at index 239,470: a banned
+    (-inf) token there must stay banned, not become NaN, which argmax picks."""
+    from minivllm.worker.ops.sampling import sample_reference
+
+    logits = torch.full((1, 239_471), float("-inf"))
+    logits[0, 5] = 0.0
+    seed, position = torch.tensor([7]), torch.tensor([1])
+    assert sample_reference(logits, torch.tensor([1.0]), None, None, None, seed, position) == 5
+
+
 def test_reference_on_cpu() -> None:
     check_bitmask("cpu", torch.float32, 6, 1000)
 
