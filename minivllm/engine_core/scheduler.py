@@ -182,7 +182,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new >= len(request.all_token_ids):
                 request.num_output_placeholders += 1  # this step samples its next token
-                if request.structured_output is not None:
+                if request.structured_output is not None and request.structured_output.active:
                     structured.append(request_id)
             i += 1
 
@@ -223,7 +223,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1
-                if request.structured_output is not None:
+                if request.structured_output is not None and request.structured_output.active:
                     structured.append(request.request_id)
         self.waiting.extendleft(reversed(compiling))
 

@@ -103,9 +103,10 @@ class GrammarCompiler:
         tok = AutoTokenizer.from_pretrained(tokenizer)
         self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(
-            self.info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
-        )
+        # a quarter of the cores per compile: the busy loop, the workers' host threads and
+        # the bitmask fills keep theirs
+        threads = max(1, min(8, (os.cpu_count() or 1) // 4))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`); raises ValueError

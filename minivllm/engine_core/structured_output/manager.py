@@ -18,8 +18,10 @@ recomputed, not resampled), and its matcher has taken exactly those.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +40,12 @@ COMPILE_TIMEOUT_S = float(os.environ.get("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", "60
 _PARALLEL_FILL_ROWS = 16
 
 
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (Linux: `nice` is per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class StructuredOutputRequest:
     """One request's grammar: a future until compiled, then its matcher."""
 
@@ -50,6 +58,11 @@ class StructuredOutputRequest:
         self.matcher: Any = None  # None while the grammar compiles
         self.submitted = time.monotonic()
         self.terminated = False  # the grammar has ended (took a stop token)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (the grammar has not ended)."""
+        return not self.terminated
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance the matcher over `token_ids`; False if the grammar refuses one. Tokens
@@ -71,10 +84,12 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.num_words = -(-vocab_size // 32)
-        # at least two compile threads: one slow grammar leaves the pool a thread for others
-        threads = max(2, (os.cpu_count() or 1) // 2)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self._fill_threads = min(8, threads)
+        # two compile threads (one slow grammar leaves the other for the rest), at a lower
+        # CPU priority than the busy loop, as are the threads xgrammar starts from them
+        self._pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="grammar", initializer=_lower_priority
+        )
+        self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
         self._compiler: Future[GrammarCompiler] | None = None  # built with the first grammar
         self._grammars: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
         self.waiting: dict[str, tuple[Any, StructuredOutputRequest]] = {}  # compiling

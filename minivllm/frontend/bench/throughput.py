@@ -8,6 +8,8 @@ minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tok
 the reference workload anywhere. --logprobs N and --penalties give every request those
 settings; --sampling-variants times, on one engine, a plain run, a run with --logprobs (5 by
 default) and one with --penalties, one after the other, and prints each against the plain one.
+--structured-outputs times a plain run and one under a JSON schema of eight fields (it needs a
+tokenizer: --tokenizer DIR with a geometry; benchmarks/qwen3_tokenizer.py builds Qwen3's).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from minivllm.frontend.arg_utils import add_engine_args
@@ -43,6 +45,7 @@ class RunResult:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    outputs: list[Any] | None = field(default=None, repr=False)  # the RequestOutputs
 
     @property
     def requests_per_s(self) -> float:
@@ -85,6 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time plain, --logprobs (default 5) and --penalties runs on one engine",
     )
+    p.add_argument(
+        "--structured-outputs",
+        action="store_true",
+        help="time plain and JSON-schema runs on one engine (needs a tokenizer)",
+    )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
     p.add_argument("--output-json", default=None, help="write the figures to this file")
@@ -104,6 +112,10 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
         extra["logprobs"] = args.logprobs
     if args.penalties:
         extra.update(PENALTIES)
+    if getattr(args, "structured_outputs", False):
+        from minivllm.frontend.bench.structured import json_schema_variant
+
+        return [("plain", extra), json_schema_variant()]
     if not args.sampling_variants:
         return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
     num = 5 if args.logprobs is None else args.logprobs
@@ -147,7 +159,7 @@ def run_minivllm(
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.num_output_tokens:
         raise RuntimeError(f"generated {produced} tokens, asked for {workload.num_output_tokens}")
-    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced)
+    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, outputs)
 
 
 def print_vllm_lines(r: RunResult) -> None:
@@ -207,6 +219,13 @@ def main(args: argparse.Namespace) -> dict:
         overrides: dict[str, Any] = {}
         if geometry is not None and args.max_model_len is None:
             overrides["max_model_len"] = max(4096, workload.max_model_len)
+        if args.structured_outputs:
+            if geometry is not None and args.tokenizer is None:
+                raise SystemExit(
+                    "--structured-outputs compiles grammars against a tokenizer: give "
+                    "--tokenizer DIR (benchmarks/qwen3_tokenizer.py builds Qwen3's)"
+                )
+            overrides["skip_tokenizer_init"] = False
         engine_args = bench_engine_args(args, model, geometry, **overrides)
         llm = LLM(**asdict(engine_args))
         config = llm.llm_engine.config
@@ -222,6 +241,11 @@ def main(args: argparse.Namespace) -> dict:
                 print(f"Sampling: {name}")
                 results.append((name, run_minivllm(llm, workload, args.temperature, extra)))
                 print_vllm_lines(results[-1][1])
+                if "structured_outputs" in extra:
+                    from minivllm.frontend.bench.structured import summarize
+
+                    eos = llm.llm_engine.input_processor.eos_token_ids
+                    figures["structured_outputs"] = summarize(results[-1][1].outputs, eos)
         finally:
             llm.shutdown()
         if len(results) > 1:
