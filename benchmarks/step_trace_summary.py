@@ -34,6 +34,19 @@ def main(path: str) -> None:
     for key, gaps in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         t = sum(gaps)
         print(f"{key:<20}{len(gaps):>7}{t / 1e3:>10.2f}{t / total:>8.1%}{t / len(gaps):>10.2f}")
+    # structured outputs: a step's bitmask leaves once the step before it is applied (or
+    # at its launch when none is in flight); the gap is the matchers' bitmask fill + send
+    waits = sorted(
+        s["bitmask_ms"] - max(p["applied_ms"], s["launched_ms"])
+        for p, s in zip(steps, steps[1:], strict=False)
+        if "bitmask_ms" in s
+    )
+    if waits:
+        print(
+            f"grammar bitmask: {len(waits)} steps; sent {waits[len(waits) // 2]:.2f} ms "
+            f"(median), {waits[int(0.99 * (len(waits) - 1))]:.2f} ms (p99) after the step "
+            "before was applied"
+        )
 
 
 if __name__ == "__main__":

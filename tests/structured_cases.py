@@ -92,3 +92,13 @@ def derives_nest(text: str) -> bool:
     if len(text) != 2 * depth + 1 or text[depth] not in "abcde":
         return False
     return all(closing[text[i]] == text[-1 - i] for i in range(depth))
+
+
+def grammar_accepts(model_dir: str, vocab_size: int, so: StructuredOutputsParams, ids: list[int]):
+    """Whether a fresh xgrammar matcher for `so` takes every token of `ids` (a valid prefix,
+    for outputs that max_tokens cut inside the structure)."""
+    from minivllm.engine_core.structured_output.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(model_dir, vocab_size)
+    matcher = compiler.matcher(compiler.compile(so.spec()), None)
+    return all(matcher.accept_token(t) for t in ids)

@@ -16,7 +16,8 @@ from minivllm.engine_core.structured_output.grammar import GrammarCompiler
 from minivllm.protocol.messages import EngineCoreRequest, FinishReason
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
-from tests.structured_cases import check_text, constraints, json_object_params
+from tests.structured_cases import check_text, constraints, grammar_accepts, json_object_params
+from tests.tiny_models import VOCAB_SIZE
 
 EOS = [0]
 
@@ -115,8 +116,8 @@ def test_max_tokens_ends_inside_the_structure(qwen3_dir, tokenizer) -> None:
         core.shutdown()
     r = results["short"]
     assert r["finish"] == FinishReason.LENGTH and len(r["tokens"]) == 6
-    text = tokenizer.decode(r["tokens"])
-    assert text.startswith('{"id":')  # a valid start, the object unfinished
+    assert tokenizer.decode(r["tokens"]).startswith('{"id":')  # the object unfinished
+    assert grammar_accepts(qwen3_dir, VOCAB_SIZE, so, r["tokens"])
 
 
 def test_a_grammar_that_fails_ends_its_request_only(qwen3_dir, tokenizer) -> None:

@@ -8,6 +8,7 @@ written. The kernel only stores: a row's kept tokens cost no traffic at all.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minivllm.worker.ops._triton import tl, triton, use_triton
@@ -33,11 +34,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def apply_token_bitmask_reference(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
 ) -> None:
-    """`apply_token_bitmask` in torch: unpack the bits, fill the cleared tokens."""
+    """`apply_token_bitmask` on the host: unpack the bits (numpy), fill the cleared tokens."""
     vocab = min(logits.shape[1], bitmask.shape[1] * 32)
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    logits[rows, :vocab] = logits[rows, :vocab].masked_fill(~allowed, float("-inf"))
+    words = bitmask.cpu().numpy().astype("<i4", copy=False)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool)
+    banned[:, :vocab] = torch.from_numpy(bits == 0)
+    masked = logits.index_select(0, rows).masked_fill_(banned.to(logits.device), float("-inf"))
+    logits.index_copy_(0, rows, masked)
 
 
 @triton.jit
