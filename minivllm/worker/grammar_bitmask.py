@@ -61,10 +61,12 @@ class GrammarBitmasks:
         def wait() -> GrammarMask:
             msg = receive()
             bitmask = msg.bitmask
-            if msg.step_id != step_id or bitmask.shape != (len(req_ids), self.num_words):
+            expected = (len(req_ids), self.num_words)
+            if msg.step_id != step_id or bitmask.shape != expected or bitmask.dtype != np.int32:
                 raise RuntimeError(
-                    f"grammar bitmask of step {msg.step_id}, shape {bitmask.shape}, for step "
-                    f"{step_id} with {len(req_ids)} constrained rows of {self.num_words} words"
+                    f"grammar bitmask of step {msg.step_id}, {bitmask.dtype} {bitmask.shape}, "
+                    f"for step {step_id} with {len(req_ids)} constrained rows of "
+                    f"{self.num_words} int32 words"
                 )
             try:
                 rows = [sample_rows[r] for r in req_ids]

@@ -191,3 +191,41 @@ def test_unconstrained_steps_carry_no_bitmask(qwen3_dir, monkeypatch) -> None:
         core.shutdown()
     assert len(results["free"]["tokens"]) == 8
     assert not sent and core.executor.worker.model_runner.grammar_bitmasks is None
+
+
+def test_grammars_are_cached_by_their_spec_within_a_byte_budget(qwen3_dir, monkeypatch) -> None:
+    from minivllm.engine_core.structured_output import manager as m
+
+    compiled: list[str] = []
+    compile_grammar = GrammarCompiler.compile
+
+    def counting(self, spec):
+        compiled.append(spec.text)
+        return compile_grammar(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", counting)
+    manager = m.StructuredOutputManager(qwen3_dir, VOCAB_SIZE, 8)
+
+    class Req:
+        def __init__(self, i: int) -> None:
+            self.request_id = str(i)
+
+    reqs = [Req(i) for i in range(4)]
+    try:
+        a, b = (
+            StructuredOutputsParams(regex="a+").spec(),
+            StructuredOutputsParams(regex="b+").spec(),
+        )
+        manager.add_request(reqs[0], a, EOS)
+        manager.add_request(reqs[1], a, EOS)  # the same spec: the same compile
+        assert reqs[0].structured_output.grammar is reqs[1].structured_output.grammar
+        reqs[0].structured_output.grammar.result(timeout=60)
+        assert manager.poll({r.request_id: r for r in reqs[:2]}) == []
+        assert reqs[0].structured_output.matcher is not reqs[1].structured_output.matcher
+        monkeypatch.setattr(m, "CACHE_BYTES", 1)  # room for none: the oldest compiled goes
+        manager.add_request(reqs[2], b, EOS)
+        reqs[2].structured_output.grammar.result(timeout=60)
+        manager.add_request(reqs[3], a, EOS)
+    finally:
+        manager.shutdown()
+    assert compiled == ["a+", "b+", "a+"]

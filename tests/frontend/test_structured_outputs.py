@@ -136,3 +136,21 @@ def test_structured_outputs_need_a_tokenizer(qwen3_dir: str) -> None:
     params = SamplingParams(structured_outputs=SO(choice=["a"]))
     with pytest.raises(ValueError, match="structured_outputs need a tokenizer"):
         processor.process("r", [1, 2], params)
+
+
+def test_tensor_parallel_ranks_all_take_the_bitmask(qwen3_dir: str) -> None:
+    """Every rank waits for the step's bitmask and masks the gathered logits alike."""
+    from minivllm import LLM
+
+    llm = LLM(qwen3_dir, dtype="float32", tensor_parallel_size=2)
+    try:
+        kinds = list(constraints().items())
+        params = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=so)
+            for i, (_, so) in enumerate(kinds)
+        ]
+        outs = llm.generate(["Hello"] * len(kinds), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for (kind, _), out in zip(kinds, outs, strict=True):
+        check_text(kind, out.outputs[0].text)

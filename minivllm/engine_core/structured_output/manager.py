@@ -34,7 +34,9 @@ from minivllm.protocol.structured_outputs import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-CACHE_SIZE = 512  # compiled grammars kept (a JSON schema's is ~100 KB-1 MB)
+# compiled grammars kept, least recently used first out (an 8-field JSON schema's takes
+# ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
+CACHE_BYTES = int(os.environ.get("MINIVLLM_GRAMMAR_CACHE_MB", "512")) << 20
 COMPILE_TIMEOUT_S = float(os.environ.get("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", "60"))
 # below this many rows one thread fills the bitmask; above, xgrammar's thread pool
 _PARALLEL_FILL_ROWS = 16
@@ -119,9 +121,23 @@ class StructuredOutputManager:
             self._compiler = self._pool.submit(GrammarCompiler, self.tokenizer, self.vocab_size)
         future = self._pool.submit(self._compile, self._compiler, spec)
         self._grammars[spec] = future
-        if len(self._grammars) > CACHE_SIZE:
-            self._grammars.popitem(last=False)
+        self._evict()
         return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars past CACHE_BYTES (requests that
+        hold one keep it)."""
+        sizes = [
+            f.result().memory_size_bytes if f.done() and not f.exception() else 0
+            for f in self._grammars.values()
+        ]
+        total = sum(sizes)
+        for spec, size in zip(list(self._grammars), sizes, strict=True):
+            if total <= CACHE_BYTES:
+                return
+            if size:  # compiled: still compiling ones take nothing yet
+                del self._grammars[spec]
+                total -= size
 
     @staticmethod
     def _compile(compiler: Future[GrammarCompiler], spec: GrammarSpec) -> Any:
