@@ -12,6 +12,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni")
+# "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+_CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -26,6 +29,8 @@ class ModelConfig:
     hf_config: dict[str, Any]  # config.json as a plain dict
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
     skip_tokenizer_init: bool = False
+    # decode batches sharing a cached prefix attend it once per step unless this is set
+    disable_cascade_attn: bool = False
     max_logprobs: int = 20  # the most (prompt) logprobs a request may ask; -1: the vocabulary
     logprobs_mode: str = "raw_logprobs"  # what logprobs hold: one of LOGPROBS_MODES
 
@@ -63,6 +68,13 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # a fixed KV budget (the CPU default); None: profile
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, scaled)
+    # fp8 without k_scale/v_scale in the checkpoint: scales from the first prefill, else 1.0
+    calculate_kv_scales: bool = False
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    disable_cascade_attn: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
@@ -159,6 +174,10 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
@@ -238,6 +257,7 @@ class EngineArgs:
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
             skip_tokenizer_init=self.skip_tokenizer_init,
+            disable_cascade_attn=self.disable_cascade_attn,
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
         )
@@ -255,7 +275,7 @@ class EngineArgs:
             )
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
-            kv_bytes = int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_GIB", "1")) * (1 << 30))
+            kv_bytes = _CPU_KV_CACHE_BYTES
         return EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
@@ -264,6 +284,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=kv_bytes,
+                kv_cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -14,12 +14,15 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+from minivllm.protocol import transport
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +89,6 @@ def private_ipc_dir(role: str) -> str:
     """A fresh 0700 directory for this process's ipc sockets, named after its pid, after
     removing those left by processes of the same role that died without cleaning up
     (SIGKILL, or a parent's death taking them down)."""
-    import tempfile
-
-    from minivllm.protocol import transport
-
     prefix = f"minivllm-{role}-"
     base = tempfile.gettempdir()
     with contextlib.suppress(OSError):

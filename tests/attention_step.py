@@ -17,8 +17,12 @@ def attend(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k/v into kv_cache at meta.slot_mapping, then attend: `PagedAttention` of the
-    only layer, in a forward batch of its cache."""
+    only layer (with an FP8 cache's `kv_scale`), in a forward batch of its cache."""
+    layer = PagedAttention(0, backend, scale).to(q.device)
+    if kv_scale is not None:
+        layer.kv_scale.copy_(kv_scale)
     with forward_batch(meta, [kv_cache]):
-        return PagedAttention(0, backend, scale)(q, k, v)
+        return layer(q, k, v)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_env() -> dict[str, str]:
+    """The environment for a Python subprocess that imports minivllm and tests from here."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def spawned_children(pid: int) -> list[int]:

@@ -49,7 +49,28 @@ def _patch_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
+def _round_fp8_like_the_gpu() -> None:
+    """Make the interpreter convert to float8_e4m3fn by round-to-nearest-even, as the GPU's
+    `cvt.rn.satfinite` does (torch's conversion): Triton 3.6's interpreter rounds half up and
+    drops the carry into the exponent (-127.45 becomes -64, not -128)."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):  # noqa: A002, ANN001, ANN202
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+
+
 if __name__ == "__main__":  # python triton_interpreter.py SCRIPT ARGS...
     _patch_interpreter_scalar_index()
+    _round_fp8_like_the_gpu()
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

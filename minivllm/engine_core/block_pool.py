@@ -11,62 +11,20 @@ the tail, so the least recently freed cached block is the first to be evicted.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None  # set while the block is in the prefix cache
-        self.prev: KVCacheBlock | None = None  # free-queue links, None when not queued
-        self.next: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
-
-    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)  # sentinels keep the link updates branch-free
-        self._tail = KVCacheBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next
-        if block is self._tail or block is None:
-            raise ValueError("no free blocks left")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev
-        assert last is not None
-        last.next, block.prev = block, last
-        block.next, self._tail.prev = self._tail, block
-        self.num_free_blocks += 1
-
-    def remove(self, block: KVCacheBlock) -> None:
-        if block.prev is None or block.next is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
-        self.num_free_blocks -= 1
-
-    def block_ids(self) -> list[int]:
-        """Head (next to be evicted) to tail; for tests and debugging."""
-        ids, block = [], self._head.next
-        while block is not None and block is not self._tail:
-            ids.append(block.block_id)
-            block = block.next
-        return ids
 
 
 class BlockPool:
@@ -78,12 +36,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # the free blocks by id, least recently freed first
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(enumerate(self.blocks))
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        return len(self.free_queue)
 
     @property
     def usage(self) -> float:
@@ -96,7 +55,7 @@ class BlockPool:
             raise ValueError(f"cannot take {n} blocks, only {self.num_free_blocks} are free")
         blocks = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            _, block = self.free_queue.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -109,7 +68,7 @@ class BlockPool:
         """Take a reference on cached blocks, pulling free ones out of the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -121,7 +80,7 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self.free_queue[block.block_id] = block
 
     def cache_full_blocks(
         self,

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
 from minivllm.process_utils import die_with_parent
@@ -47,7 +48,6 @@ from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # core → clients, so a client notices a dead daemon quickly
-CLIENT_TIMEOUT_S = float(os.environ.get("MINIVLLM_CLIENT_TIMEOUT", "10"))  # silent client: gone
 _ALL = -1  # output-queue address: every attached client
 _CLIENT_GONE = "client-gone"
 _STOP = object()
@@ -176,6 +176,7 @@ class EngineCoreProc:
     def _input_loop(self) -> None:
         decoder, encoder = MsgDecoder(FRONTEND_TO_CORE), MsgEncoder()
         last_seen: dict[int, float] = {}
+        client_timeout_s = envs.client_timeout_s()  # silent this long: the client is gone
         next_check = time.monotonic() + 1.0
         while not self._stopping.is_set():
             got = transport.recv_from(self.input_sock, timeout_ms=100)
@@ -197,7 +198,7 @@ class EngineCoreProc:
             if now >= next_check:
                 next_check = now + 0.5
                 for client, seen in list(last_seen.items()):
-                    if now - seen > CLIENT_TIMEOUT_S:
+                    if now - seen > client_timeout_s:
                         del last_seen[client]
                         self.input_queue.put((client, _CLIENT_GONE))
                         self.output_queue.put((client, _CLIENT_GONE))
@@ -283,7 +284,7 @@ def run_engine_core(
     if not daemon:
         die_with_parent(death_pipe)
     logging.basicConfig(
-        level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+        level=envs.log_level(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     proc: EngineCoreProc | None = None

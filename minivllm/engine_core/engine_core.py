@@ -13,7 +13,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine_core.executor import Executor
+from minivllm.engine_core.executor import Executor, UniProcExecutor
+from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
 from minivllm.engine_core.step_trace import StepTrace
@@ -32,10 +33,21 @@ from minivllm.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+def _executor_class(config: EngineConfig) -> type[Executor]:
+    if config.parallel.distributed_executor_backend == "mp":
+        return MultiprocExecutor
+    if config.parallel.tensor_parallel_size != 1:
+        raise ValueError(
+            "distributed_executor_backend='uni' runs one in-process worker: "
+            "tensor_parallel_size must be 1"
+        )
+    return UniProcExecutor
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        executor_class = executor_class or Executor.get_class(config)
+        executor_class = executor_class or _executor_class(config)
         start = time.monotonic()
         self.executor = executor_class(config)
         self.num_blocks = self.executor.num_blocks

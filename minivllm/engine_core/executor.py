@@ -17,19 +17,6 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        if config.parallel.distributed_executor_backend == "uni":
-            if config.parallel.tensor_parallel_size != 1:
-                raise ValueError(
-                    "distributed_executor_backend='uni' runs one in-process worker: "
-                    "tensor_parallel_size must be 1"
-                )
-            return UniProcExecutor
-        from minivllm.engine_core.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor
-
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Start one step; the future resolves to rank 0's output (or raises). A step with

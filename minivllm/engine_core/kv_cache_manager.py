@@ -85,59 +85,62 @@ class KVCacheManager:
         newly allocated blocks (hit blocks excluded), or None, changing nothing, when there
         are not enough free blocks.
         """
-        req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is not None and not new_computed_blocks:
-            # a running request whose last block has room (most decode steps): nothing to
-            # allocate, and nothing to cache unless a block became full of known tokens
-            num_total = request.num_computed_tokens + num_new_tokens
-            if num_total <= len(req_blocks) * self.block_size and (
-                not self.enable_caching
-                or min(num_total, len(request.all_token_ids)) // self.block_size
-                <= self.num_cached_blocks[request.request_id]
-            ):
-                return []
-        new_computed_blocks = new_computed_blocks or []
-        if req_blocks is None:
+        request_id = request.request_id
+        hits = new_computed_blocks or ()
+        req_blocks = self.req_to_blocks.get(request_id)
+        is_first = req_blocks is None
+        if is_first:
             req_blocks = []
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_total = num_computed + num_new_tokens
-        num_new_blocks = max(
-            0, cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks)
-        )
-        # hit blocks nobody holds are in the free queue: touching them uses free blocks too
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
-            return None
-
-        if request.request_id not in self.req_to_blocks:
-            self.req_to_blocks[request.request_id] = req_blocks
-            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks) - len(hits)
+        new_block_ids: list[int] = []
+        if hits or num_new_blocks > 0:  # (a decode step mostly fits in the last block)
+            num_new_blocks = max(num_new_blocks, 0)
+            # hit blocks nobody holds are in the free queue: touching them uses free blocks too
+            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+            if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+                return None
+            self.block_pool.touch(hits)
+            req_blocks.extend(hits)
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            new_block_ids = [b.block_id for b in new_blocks]
+        if is_first:
+            self.req_to_blocks[request_id] = req_blocks
+            self.num_cached_blocks[request_id] = len(hits)
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
-        self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
 
         if self.enable_caching:
             # only tokens already known can be hashed (async: the last one may be pending)
-            num_known = min(num_total, request.num_tokens)
-            self._update_block_hashes(request, num_known)
-            num_full = num_known // self.block_size
-            num_cached = self.num_cached_blocks[request.request_id]
-            if num_full > num_cached:
+            num_known = min(num_total, len(request.all_token_ids))
+            num_cached = self.num_cached_blocks[request_id]
+            if num_known // self.block_size > num_cached:
+                self._update_block_hashes(request, num_known)
+                num_full = num_known // self.block_size
                 self.block_pool.cache_full_blocks(
                     req_blocks, request.block_hashes, num_cached, num_full
                 )
-                self.num_cached_blocks[request.request_id] = num_full
-        return [b.block_id for b in new_blocks]
+                self.num_cached_blocks[request_id] = num_full
+        return new_block_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (see `BlockPool.free_blocks`)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running: int) -> int:
+        """How many leading blocks of this running request every running request holds: a
+        block that all `num_running` of them reference is, by the hash chain, at the same
+        position in every block table (as vLLM V1 finds a cascade attention prefix)."""
+        n = 0
+        for block in self.req_to_blocks.get(request_id, ()):
+            if block.ref_cnt != num_running:
+                break
+            n += 1
+        return n
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -10,6 +10,7 @@ import time
 
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.executor import Executor
 from minivllm.exceptions import EngineDeadError, EngineStartupError
@@ -29,7 +30,6 @@ from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_STARTUP_TIMEOUT", "900"))
 _POLL_MS = 100
 
 
@@ -90,7 +90,8 @@ class MultiprocExecutor(Executor):
 
     def _startup(self) -> int:
         tp = len(self.procs)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        self._startup_timeout_s = envs.startup_timeout_s()
+        deadline = time.monotonic() + self._startup_timeout_s
         blocks: dict[int, int] = {}
         while len(blocks) < tp:
             msg = self._recv_startup(deadline)
@@ -120,7 +121,7 @@ class MultiprocExecutor(Executor):
                 raise EngineStartupError(msg.error)
             if isinstance(msg, (Rendezvous, WorkerLoaded, WorkerReady)):
                 return msg
-        raise EngineStartupError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        raise EngineStartupError(f"workers did not start within {self._startup_timeout_s:.0f} s")
 
     # ------------------------------------------------------------------ steps
 

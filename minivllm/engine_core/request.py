@@ -28,10 +28,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return FINISH_REASONS.get(self)
-
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -76,8 +72,8 @@ class Request:
         self.eos_token_ids: set[int] = (
             set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         )
-        self.stop_token_ids: set[int] = set(sampling_params.stop_token_ids or ())
-        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # either: check the rules
+        # either ends it (after min_tokens); a stop token id is also its stop reason
+        self.stop_ids = self.eos_token_ids | set(sampling_params.stop_token_ids or ())
         # tokens (prompt + output) at which it ends by length; the scheduler sets it
         self.max_num_tokens = len(self.prompt_token_ids) + (
             sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
@@ -131,10 +127,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
 
     def __repr__(self) -> str:
         return (

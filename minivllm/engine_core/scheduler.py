@@ -27,7 +27,6 @@ from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
-    FinishReason,
     LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
@@ -236,6 +235,11 @@ class Scheduler:
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=sorted(self.preempted_req_ids),
             structured_output_req_ids=structured,
+            num_common_prefix_blocks=kv.get_num_common_prefix_blocks(
+                running[0].request_id, len(running)
+            )
+            if running
+            else 0,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -251,58 +255,35 @@ class Scheduler:
         previous step) are gone from `self.requests`: their extra token is dropped.
         """
         outputs: ClientOutputs = {}
-        client_outputs: list[EngineCoreOutput] | None = None
-        last_client = None
-        requests = self.requests
-        num_generated = 0
         runner = model_runner_output
         for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
-            request = requests.get(request_id)
+            request = self.requests.get(request_id)
             if request is None or not sampled:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            if len(sampled) == 1:  # the common case, without a loop
-                token_id = sampled[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                num_generated += 1
-                new_token_ids = sampled  # the decoded message's list: nothing else holds it
-                if (
-                    token_id in request.stop_ids
-                    or len(request.all_token_ids) >= request.max_num_tokens
-                ):
-                    self._check_stop(request)
-            else:
-                new_token_ids = []
-                for token_id in sampled:
-                    request.append_output_token(token_id)
-                    new_token_ids.append(token_id)
-                    num_generated += 1
-                    if self._check_stop(request):
-                        break
+            num_new = 0
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                num_new += 1
+                if self._check_stop(request):
+                    self._finish(request, request.status)
+                    break
+            self.num_generated_tokens += num_new
+            # the decoded message's list, which nothing else holds, unless a stop cut it
+            new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
             grammar = request.structured_output
             if grammar is not None and not grammar.accept(new_token_ids):
-                request.status = RequestStatus.FINISHED_ERROR
-            status = request.status
-            if status >= RequestStatus.FINISHED_STOPPED:
-                self._finish(request, status)
-            out = EngineCoreOutput(
-                request_id,
-                new_token_ids,
-                FINISH_REASONS.get(status),
-                request.stop_reason,
-                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
-            )
-            if status == RequestStatus.FINISHED_ERROR:
+                if request.status.is_finished:
+                    request.status = RequestStatus.FINISHED_ERROR
+                else:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+            out = self._make_output(request, new_token_ids)
+            if request.status == RequestStatus.FINISHED_ERROR:
                 out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
             if request.events:
                 out.events = request.take_events()
-            if request.client_id != last_client:
-                last_client = request.client_id
-                client_outputs = outputs.setdefault(last_client, [])
-            client_outputs.append(out)
-        self.num_generated_tokens += num_generated
+            outputs.setdefault(request.client_id, []).append(out)
         if runner.logprobs is not None or runner.prompt_logprobs:
             self._attach_logprobs(outputs, runner)
         return outputs
@@ -328,17 +309,17 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> bool:
         """Set the status of a request that its last token ends; True if it ended."""
-        if request.num_output_tokens >= request.sampling_params.min_tokens:
-            last = request.output_token_ids[-1]
-            if last in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in request.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
+        last = request.output_token_ids[-1]
+        if (
+            last in request.stop_ids
+            and len(request.output_token_ids) >= request.sampling_params.min_tokens
+        ):
+            request.status = RequestStatus.FINISHED_STOPPED
+            if last not in request.eos_token_ids:
+                request.stop_reason = last  # a stop token id (EOS has no stop reason)
+            return True
         # max_num_tokens: max_len, or the prompt plus max_tokens if that is less
-        if request.num_tokens >= request.max_num_tokens:
+        if len(request.all_token_ids) >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
@@ -381,13 +362,12 @@ class Scheduler:
         )
 
     def _make_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-        reason: FinishReason | None = request.status.finish_reason
         return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(0, request.num_cached_tokens),
+            request.request_id,
+            new_token_ids,
+            FINISH_REASONS.get(request.status),
+            request.stop_reason,
+            max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
         )
 
 

@@ -8,9 +8,9 @@ Steps with structured outputs also record when their token bitmask left for the 
 from __future__ import annotations
 
 import json
-import os
 import time
 
+from minivllm import envs
 from minivllm.protocol.messages import SchedulerOutput
 
 # record fields: launched, applied, sequences, decodes, prefill tokens, bitmask sent, compiling
@@ -19,7 +19,7 @@ _LAUNCHED, _APPLIED, _BITMASK = 0, 1, 5
 
 class StepTrace:
     def __init__(self, path: str | None = None) -> None:
-        self.path = path if path is not None else os.environ.get("MINIVLLM_STEP_TRACE")
+        self.path = path if path is not None else envs.step_trace_path()
         self.records: list[list[float]] = []
 
     @property

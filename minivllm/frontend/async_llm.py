@@ -12,7 +12,6 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError
-from minivllm.frontend.core_client import attached_engine_config
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
@@ -62,7 +61,7 @@ class AsyncLLM:
     def connect(cls, address: str, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
         client = AsyncMPClient.connect(address)
-        return cls(attached_engine_config(client.info).model, client, stat_loggers)
+        return cls(client.engine_config().model, client, stat_loggers)
 
     @property
     def errored(self) -> bool:

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from minivllm import envs
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description="mini-vllm inference engine")
@@ -65,7 +67,7 @@ def _run_engine_core(args: argparse.Namespace) -> None:
     from minivllm.frontend.arg_utils import engine_args_from
     from minivllm.protocol import transport
 
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=envs.log_level())
     try:
         config = engine_args_from(args).create_engine_config()
     except ValueError as e:

@@ -8,7 +8,6 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import (
-    EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
     UtilityMethod,
@@ -31,28 +30,6 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-
-def attached_engine_config(info: EngineCoreInfo) -> EngineConfig:
-    """The config a client attached to a daemon works with, from the daemon's handshake
-    (the model directory must be readable here too: its tokenizer and config are used)."""
-    from minivllm.config import EngineArgs
-
-    args = EngineArgs(
-        model=info.model,
-        tokenizer=info.tokenizer,
-        max_model_len=info.max_model_len,
-        device="cpu",  # only the model's metadata is needed on this side
-    )
-    return args.create_engine_config()
-
-
-def make_sync_client(config: EngineConfig) -> EngineCoreClient:
-    if config.parallel.distributed_executor_backend == "uni":
-        return InprocClient(config)
-    from minivllm.frontend.mp_client import SyncMPClient
-
-    return SyncMPClient(config)
 
 
 class InprocClient(EngineCoreClient):

@@ -7,11 +7,7 @@ import time
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.frontend.core_client import (
-    EngineCoreClient,
-    attached_engine_config,
-    make_sync_client,
-)
+from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
@@ -31,7 +27,9 @@ class LLMEngine:
         self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
         self.input_processor = InputProcessor(model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = client or make_sync_client(config)
+        if client is None and config.parallel.distributed_executor_backend == "uni":
+            client = InprocClient(config)
+        self.engine_core = client or SyncMPClient(config)
         # the start-up heap never needs scanning again: full collections over it cost
         # ~100 ms each in a long generate loop
         gc.collect()
@@ -45,7 +43,7 @@ class LLMEngine:
     def connect(cls, address: str) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`."""
         client = SyncMPClient.connect(address)
-        return cls(attached_engine_config(client.info), client=client)
+        return cls(client.engine_config(), client=client)
 
     def add_request(
         self,

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import secrets
 import threading
 import time
@@ -25,7 +24,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from minivllm.config import EngineConfig
+from minivllm import envs
+from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
@@ -45,7 +45,6 @@ from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("MINIVLLM_STARTUP_TIMEOUT", "900"))
 CONNECT_TIMEOUT_S = 30.0
 ENGINE_TIMEOUT_S = 3.0  # the core heartbeats every 0.5 s
 HEARTBEAT_INTERVAL_S = 1.0
@@ -91,12 +90,13 @@ class _MPClient:
             name="engine-core",
         )
         self.proc, self.death_pipe = proc, death
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        timeout_s = envs.startup_timeout_s()
+        deadline = time.monotonic() + timeout_s
         while not ready.poll(0.2):
             if not proc.is_alive():
                 raise EngineStartupError(f"{describe_exit(proc)} during startup")
             if time.monotonic() > deadline:
-                raise EngineStartupError(f"engine-core did not start in {STARTUP_TIMEOUT_S:.0f} s")
+                raise EngineStartupError(f"engine-core did not start in {timeout_s:.0f} s")
         try:
             hello = msgspec.msgpack.decode(ready.recv_bytes(), type=EngineCoreInfo)
         except EOFError:
@@ -140,6 +140,17 @@ class _MPClient:
             if isinstance(msg, reply):
                 return msg
         raise EngineStartupError(f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S} s")
+
+    def engine_config(self) -> EngineConfig:
+        """The config to work with when attached to a daemon, from its `EngineCoreInfo`
+        (the model directory must be readable here too: its tokenizer and config are used)."""
+        args = EngineArgs(
+            model=self.info.model,
+            tokenizer=self.info.tokenizer,
+            max_model_len=self.info.max_model_len,
+            device="cpu",  # only the model's metadata is needed on this side
+        )
+        return args.create_engine_config()
 
     def _check_alive(self) -> None:
         if self.dead_reason is None:

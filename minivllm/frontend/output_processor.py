@@ -112,7 +112,6 @@ class RequestState:
         self.user_request_id = user_request_id
         self.prompt_text = prompt_text
         self.prompt_token_ids = prompt_token_ids
-        self.output_kind = params.output_kind
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.detokenizer = detokenizer
@@ -154,6 +153,7 @@ class RequestState:
         if self.logprobs is not None:
             logprobs = self.logprobs.sample_logprobs(len(new_token_ids) if delta else None)
             cumulative = self.logprobs.cumulative_logprob
+        # positional: a dataclass takes keywords at twice the cost, and this runs per token
         return CompletionOutput(
             self.index,
             text,
@@ -263,10 +263,8 @@ class OutputProcessor:
         """Turn one step's engine-core outputs into user-facing `RequestOutput`s: put into
         the request's queue if it has one, else returned."""
         result = ProcessedOutputs()
-        request_outputs = result.request_outputs
-        states = self.request_states
         for out in outputs:
-            state = states.get(out.request_id)
+            state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # ended here already (stop string, abort); the core's late news
             if out.num_cached_tokens:
@@ -287,25 +285,13 @@ class OutputProcessor:
                 self._forget(state)
             if completion is None:
                 continue
-            if state.parent is None:
-                request_output = RequestOutput(
-                    state.user_request_id,
-                    state.prompt_text,
-                    state.prompt_token_ids,
-                    [completion],
-                    finish_reason is not None,
-                    state.num_cached_tokens,
-                    None,
-                    state.prompt_logprobs,
-                )
-            else:
-                request_output = self._request_output(state, completion)
-                if request_output is None:
-                    continue
+            request_output = self._request_output(state, completion)
+            if request_output is None:
+                continue
             if state.queue is not None:
                 state.queue.put(request_output)
             else:
-                request_outputs.append(request_output)
+                result.request_outputs.append(request_output)
         return result
 
     def abort_requests(self, internal_ids: list[str]) -> list[RequestOutput]:
@@ -374,23 +360,26 @@ class OutputProcessor:
     def _request_output(
         self, state: RequestState, completion: CompletionOutput
     ) -> RequestOutput | None:
-        if state.parent is None:
+        """The user's request after this completion; None while n > 1 siblings are due."""
+        parent = state.parent
+        if parent is None:
             return self._make_request_output(state, [completion], completion.finished())
-        completions = state.parent.add_child_output(completion)
+        completions = parent.add_child_output(completion)
         if completions is None:
             return None
-        return self._make_request_output(state, completions, state.parent.finished)
+        return self._make_request_output(state, completions, parent.finished)
 
     @staticmethod
     def _make_request_output(
         state: RequestState, completions: list[CompletionOutput], finished: bool
     ) -> RequestOutput:
         return RequestOutput(
-            request_id=state.user_request_id,
-            prompt=state.prompt_text,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs,
+            state.user_request_id,
+            state.prompt_text,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            state.num_cached_tokens,
+            None,
+            state.prompt_logprobs,
         )

@@ -238,6 +238,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # requests that sample this step under a grammar: their token masks come after this
     # message, in a `GrammarBitmask` of the same step_id, one row each in this order
     structured_output_req_ids: list[str] = []
+    # leading blocks held by every running request (a shared prompt prefix): the workers
+    # may attend it once for all of them (cascade attention)
+    num_common_prefix_blocks: int = 0
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

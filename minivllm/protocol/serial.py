@@ -94,8 +94,9 @@ WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded,
 
 # Long id lists leave the msgpack body as raw int32 frames (zero-copy on the wire, and a
 # receiver could keep them as arrays). Building the array from a Python list costs ~19 ns
-# per id against ~3 ns inline (benchmarks/ipc_roundtrip.py), which matters only for a
-# burst of long prompts in one step: 3 ms instead of 0.6 ms for 256 x 512 tokens, once.
+# per id against ~3 ns inline (an IPC probe measured it; its figures are in RESULTS.md),
+# which matters only for a burst of long prompts in one step: 3 ms instead of 0.6 ms for
+# 256 x 512 tokens, once.
 DEFAULT_AUX_THRESHOLD: int | None = 256
 ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 

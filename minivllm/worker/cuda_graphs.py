@@ -29,22 +29,27 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self) -> None:
+    def __init__(self, name: str = "decode") -> None:
+        self.name = name
+        self.pool: object = None
         self.sizes: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def capture(self, forward: Callable[[int], torch.Tensor], sizes: list[int]) -> None:
+    def capture(
+        self, forward: Callable[[int], torch.Tensor], sizes: list[int], pool: object = None
+    ) -> None:
         """Capture `forward(B)` (the decode forward of B rows over the static buffers) for
-        each size; the largest first, so the smaller ones reuse its memory pool."""
+        each size; the largest first, so the smaller ones reuse its memory pool (or `pool`,
+        that of other graphs: only one graph runs at a time)."""
         start = time.monotonic()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in sorted(sizes, reverse=True):
             forward(size)  # warm-up: Triton compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 out = forward(size)
             self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
@@ -52,8 +57,9 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         used = free_before - torch.cuda.mem_get_info()[0]
         logger.info(
-            "captured %d CUDA graphs for decode batch sizes %s in %.1f s, using %.2f GiB",
+            "captured %d CUDA graphs for %s batch sizes %s in %.1f s, using %.2f GiB",
             len(sizes),
+            self.name,
             _ranges(self.sizes),
             time.monotonic() - start,
             used / 2**30,

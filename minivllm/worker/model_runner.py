@@ -10,6 +10,7 @@ async scheduling the host prepares step N+1 while the GPU runs step N.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -20,11 +21,14 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.cascade import use_cascade
+from minivllm.worker.attention.metadata import AttentionMetadata, one_prompt_metadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from minivllm.worker.grammar_bitmask import GrammarBitmasks
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
 from minivllm.worker.logits_processors import LogitsProcessors
+from minivllm.worker.ops.kv_cache import cache_dtype
 from minivllm.worker.prompt_logprobs import compute_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
@@ -45,6 +49,14 @@ class ModelRunner:
         self.tp = tp
         self.dtype = _DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
+        m = config.model
+        self.kv_shape = KVCacheShape(
+            m.num_layers,
+            self.block_size,
+            max(1, m.num_kv_heads // tp.size),
+            m.head_dim,
+            cache_dtype(config.cache.kv_cache_dtype, self.dtype),
+        )
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
@@ -61,6 +73,12 @@ class ModelRunner:
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
         self.graphs = DecodeGraphs()
+        # decode steps whose rows share a cached prefix attend it once (attention/cascade.py);
+        # their graphs are captured for fewer sizes (padding rows cost little at those sizes)
+        self.cascade = self.attn_backend_name == "triton" and not config.model.disable_cascade_attn
+        self.cascade_graphs = DecodeGraphs("cascade decode")
+        # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
+        self._calculate_kv_scales = False
         self.sampler = Sampler(tp.size, config.model.logprobs_mode)
         self.processors = LogitsProcessors(max_seqs, config.model.vocab_size, device)
         self.grammar_bitmasks: GrammarBitmasks | None = None  # with the first structured step
@@ -76,22 +94,25 @@ class ModelRunner:
             self.device.type,
             block_size=self.block_size,
             head_dim=self.config.model.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_shape.dtype,
         )
 
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
         self.model = load_model(self.config.model, self.device, self.tp, self.attn_backend)
-
-    @property
-    def num_local_kv_heads(self) -> int:
-        return max(1, self.config.model.num_kv_heads // self.tp.size)
-
-    def kv_block_bytes(self) -> int:
-        m = self.config.model
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.block_size * self.num_local_kv_heads * m.head_dim * elem
+        cache = self.config.cache
+        if cache.fp8_kv:
+            from_checkpoint = getattr(self.model, "has_kv_scales", False)
+            self._calculate_kv_scales = cache.calculate_kv_scales and not from_checkpoint
+            source = (
+                "the checkpoint"
+                if from_checkpoint
+                else "the first prefill"
+                if self._calculate_kv_scales
+                else "1.0 (none in the checkpoint; calculate_kv_scales is off)"
+            )
+            logger.info("FP8 KV cache: per-layer k/v scales from %s", source)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: an override, a fixed byte budget, or the profiled free memory."""
@@ -99,37 +120,16 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if cache.kv_cache_memory_bytes is not None:
-            num = cache.kv_cache_memory_bytes // self.kv_block_bytes()
+            num = cache.kv_cache_memory_bytes // self.kv_shape.block_bytes
             # no need to hold more than every sequence at full length
             cap = self.config.scheduler.max_num_seqs * self.max_blocks_per_req + 1
             return int(min(num, cap))
-        return self._profile_num_blocks()
-
-    def _profile_num_blocks(self) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        reserve = _GRAPH_RESERVE * total if self.use_graphs else 0
-        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others - reserve
-        num = int(budget // self.kv_block_bytes())
-        if num <= 0:
-            raise RuntimeError(
-                f"no memory left for the KV cache: the model's peak use is {peak / 2**30:.2f} GiB "
-                f"of {total / 2**30:.2f} GiB; raise gpu_memory_utilization"
-            )
-        logger.info(
-            "memory profile: peak %.2f GiB (weights + activations), %.2f GiB used by others, "
-            "%.2f GiB kept for CUDA graphs, %.2f GiB for the KV cache",
-            peak / 2**30,
-            used_by_others / 2**30,
-            reserve / 2**30,
-            num * self.kv_block_bytes() / 2**30,
-        )
-        return num
+        reserve = _GRAPH_RESERVE if self.use_graphs else 0.0
+        utilization = cache.gpu_memory_utilization
+        return profiled_num_blocks(self.kv_shape, self.device, utilization, reserve)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -138,23 +138,9 @@ class ModelRunner:
         n = max(
             1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         )
-        num_blocks = -(-n // self.block_size)
-        caches = self._allocate_kv(num_blocks)
         dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=n,
-            num_seqs=1,
-            num_decodes=0,
-            max_query_len=n,
-            max_seq_len=n,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_table=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
-            block_size=self.block_size,
-            query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens_cpu=torch.tensor([n], dtype=torch.int32),
-        )
+        caches = self.kv_shape.allocate(-(-n // self.block_size), dev)
+        meta = one_prompt_metadata(n, self.block_size, dev)
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         pos = torch.arange(n, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, caches, meta)
@@ -163,24 +149,18 @@ class ModelRunner:
         self.sampler.sample_logits(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
 
-    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
-        m = self.config.model
-        shape = (2, num_blocks, self.block_size, self.num_local_kv_heads, m.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
-        ]
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, capture the decode graphs over it, warm the allocator."""
         m = self.config.model
-        self.kv_caches = self._allocate_kv(num_blocks)
+        self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
         max_conc = num_blocks * self.block_size / m.max_model_len
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at %d tokens per "
-            "request: %.1fx",
+            "KV cache: %d blocks of %d tokens (%s, %.2f GiB); max concurrency at %d tokens "
+            "per request: %.1fx",
             num_blocks,
             self.block_size,
-            num_blocks * self.kv_block_bytes() / 2**30,
+            str(self.kv_shape.dtype).removeprefix("torch."),
+            num_blocks * self.kv_shape.block_bytes / 2**30,
             m.max_model_len,
             max_conc,
         )
@@ -207,11 +187,18 @@ class ModelRunner:
         d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
         d.input_ids.zero_()
         d.positions.zero_()
+        d.cascade_prefix_len.zero_()
         sched = self.config.scheduler
         sizes = capture_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens))
         self.graphs.capture(self._decode_forward, sizes)
+        if self.cascade:
+            cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
+            if cascade_sizes[-1] != sizes[-1]:
+                cascade_sizes.append(sizes[-1])
+            forward = functools.partial(self._decode_forward, cascade=True)
+            self.cascade_graphs.capture(forward, cascade_sizes, self.graphs.pool)
 
-    def _decode_forward(self, size: int) -> torch.Tensor:
+    def _decode_forward(self, size: int, cascade: bool = False) -> torch.Tensor:
         """The forward of `size` decode rows over the static device buffers."""
         d = self.buffers.dev
         meta = AttentionMetadata(
@@ -226,6 +213,7 @@ class ModelRunner:
             slot_mapping=d.slot_mapping[:size],
             block_size=self.block_size,
             decode_order=d.decode_order[:size],
+            cascade_prefix_len=d.cascade_prefix_len if cascade else None,
         )
         return self.model(d.input_ids[:size], d.positions[:size], self.kv_caches, meta)
 
@@ -251,7 +239,8 @@ class ModelRunner:
         states, sample_idx, meta, padded, sampling = self._prepare_inputs(so)
         d = self.buffers.dev
         if padded:
-            hidden = self.graphs.replay(padded)
+            cascade = meta.cascade_prefix_len is not None
+            hidden = (self.cascade_graphs if cascade else self.graphs).replay(padded)
         else:
             n = meta.num_tokens
             hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
@@ -330,7 +319,9 @@ class ModelRunner:
         num_host = np.fromiter((s.num_host_tokens for s in states), np.int64, n)
         seq_lens = computed + q_lens
         total = int(so.total_num_scheduled_tokens)
-        padded = self.graphs.padded_size(n) if self.use_graphs and nd == n else None
+        cascade = self._cascade_prefix_len(so, computed[:nd], mixed=nd < n)
+        graphs = self.cascade_graphs if cascade else self.graphs
+        padded = graphs.padded_size(n) if self.use_graphs and nd == n else None
 
         h = self.buffers.next_host()
         bs, b = self.block_size, self.batch
@@ -347,6 +338,7 @@ class ModelRunner:
         h.input_ids[:total] = b.token_ids[tok_rows, positions]
         h.slot_mapping[:total] = b.block_table[tok_rows, positions // bs] * bs + positions % bs
         h.seq_lens[:n] = seq_lens
+        h.cascade_prefix_len[0] = cascade
         if padded:
             h.input_ids[total:padded] = 0
             h.positions[total:padded] = 0
@@ -399,5 +391,24 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(cu),
             seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
             decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
+            cascade_prefix_len=d.cascade_prefix_len if cascade else None,
         )
+        if self._calculate_kv_scales and nd < n:  # the first step with prompt tokens
+            meta.compute_kv_scales, self._calculate_kv_scales = True, False
         return states, sample_idx.tolist(), meta, padded, sampling
+
+    def _cascade_prefix_len(
+        self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False
+    ) -> int:
+        """Tokens at the head of every decode row's context that cascade attention should
+        read once this step (0: attend as usual). The blocks held by every running request
+        are whole, cached and computed; the prefix stops at the shortest decode context.
+        With CUDA graphs only pure-decode steps (graph replays) use it: a step with prompt
+        tokens is rare, and would compile kernel variants for its decode count mid-run."""
+        if not (self.cascade and so.num_common_prefix_blocks and len(computed)):
+            return 0
+        if mixed and self.use_graphs:
+            return 0
+        bs = self.block_size
+        prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)
+        return prefix_len if use_cascade(len(computed), prefix_len) else 0

@@ -35,6 +35,7 @@ class StepBuffers:
             ("query_start_loc", torch.int32, (s + 1,)),
             ("seq_lens", torch.int32, (s,)),
             ("decode_order", torch.int32, (s,)),  # decode rows, longest context first
+            ("cascade_prefix_len", torch.int32, (1,)),  # tokens all decode rows share
             ("logits_indices", torch.int64, (s,)),
             # sampling parameters of the rows that sample, in logits order
             ("temperature", torch.float32, (s,)),

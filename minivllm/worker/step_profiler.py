@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 
+from minivllm import envs
+
 
 class StepProfiler:
     def __init__(self, rank: int) -> None:
-        self.out_dir = os.environ.get("MINIVLLM_TORCH_PROFILE")
-        self.start = int(os.environ.get("MINIVLLM_PROFILE_START", "300"))
-        self.stop = self.start + int(os.environ.get("MINIVLLM_PROFILE_STEPS", "20"))
+        self.out_dir = envs.torch_profile_dir()
+        self.start = envs.profile_start()
+        self.stop = self.start + envs.profile_steps()
         self.rank = rank
         self.steps = 0
         self.prof = None
@@ -37,7 +39,7 @@ class StepProfiler:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            by_cpu = os.environ.get("MINIVLLM_PROFILE_SORT") == "cpu"
+            by_cpu = envs.profile_by_cpu()
             sort = (
                 "cuda_time_total" if torch.cuda.is_available() and not by_cpu else "cpu_time_total"
             )

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.process_utils import die_with_parent
 from minivllm.protocol import transport
@@ -55,7 +56,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
     # the main thread and the sender thread hand the GIL back and forth every step
     sys.setswitchinterval(0.0005)
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=envs.log_level())
     ready_pipe.close()
     ctx = zmq.Context()
     steps = transport.connect_socket(ctx, zmq.PULL, step_address)

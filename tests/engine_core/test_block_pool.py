@@ -1,6 +1,6 @@
 import pytest
 
-from minivllm.engine_core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from minivllm.engine_core.block_pool import BlockPool
 
 
 def test_new_blocks_come_in_id_order_and_are_held():
@@ -14,19 +14,6 @@ def test_new_blocks_come_in_id_order_and_are_held():
         pool.get_new_blocks(8)
     pool.free_blocks(blocks)
     assert pool.num_free_blocks == 10 and pool.usage == 0.0
-
-
-def test_free_queue_removes_from_the_middle():
-    blocks = [KVCacheBlock(i) for i in range(4)]
-    queue = FreeBlockQueue(blocks)
-    queue.remove(blocks[2])
-    assert queue.block_ids() == [0, 1, 3]
-    queue.append(blocks[2])
-    assert queue.block_ids() == [0, 1, 3, 2]
-    assert queue.popleft() is blocks[0]
-    assert queue.num_free_blocks == 3
-    with pytest.raises(ValueError):
-        queue.remove(blocks[0])
 
 
 def test_least_recently_freed_cached_block_is_evicted_first():

@@ -125,3 +125,21 @@ def test_reset_prefix_cache():
     kv.free(a)
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(req("b", list(range(9))))[1] == 0
+
+
+def test_common_prefix_blocks_are_those_every_running_request_holds():
+    kv = KVCacheManager(20, BS)
+    prefix = list(range(100, 112))  # three full blocks
+    a, b, c = req("a", prefix + [1, 2]), req("b", prefix + [3]), req("c", prefix[:8] + [4])
+    for r in (a, b):
+        start(kv, r)
+    assert kv.get_num_common_prefix_blocks("a", 2) == 3
+    assert kv.get_num_common_prefix_blocks("b", 2) == 3
+    start(kv, c)  # shares only the first two blocks
+    assert kv.get_num_common_prefix_blocks("a", 3) == 2
+    kv.free(c)
+    assert kv.get_num_common_prefix_blocks("a", 2) == 3
+    # a request running alone holds all its blocks in common with itself
+    kv.free(b)
+    assert kv.get_num_common_prefix_blocks("a", 1) == 4
+    assert kv.get_num_common_prefix_blocks("unknown", 1) == 0

@@ -423,3 +423,22 @@ def test_request_from_engine_core_request():
     assert request.num_cached_tokens == -1 and request.status == RequestStatus.WAITING
     other = Request.from_engine_core_request(wire, engine_seed=4)
     assert request.sample_seed != other.sample_seed
+
+
+def test_the_blocks_all_running_requests_share_are_announced():
+    """Requests sharing a cached prompt prefix: the workers hear how many leading blocks
+    every running request holds (for cascade attention); a newcomer that shares less lowers it."""
+    sched = make_scheduler(num_blocks=20, budget=64)
+    runner = FakeRunner()
+    prefix = list(range(10, 22))  # three full blocks
+    sched.add_request(make_request("a", prefix + [1], max_tokens=8))
+    out = sched.schedule()
+    assert out.num_common_prefix_blocks == 4  # alone: every block of its own
+    sched.update_from_output(out, runner.execute(out))
+    sched.add_request(make_request("b", prefix + [2], max_tokens=8))
+    out = sched.schedule()  # b hits a's three cached blocks
+    assert out.num_common_prefix_blocks == 3
+    sched.update_from_output(out, runner.execute(out))
+    sched.add_request(make_request("c", prefix[:4] + [3], max_tokens=8))
+    out = sched.schedule()
+    assert out.num_common_prefix_blocks == 1

@@ -222,10 +222,11 @@ def test_grammars_are_cached_by_their_spec_within_a_byte_budget(qwen3_dir, monke
         reqs[0].structured_output.grammar.result(timeout=60)
         assert manager.poll({r.request_id: r for r in reqs[:2]}) == []
         assert reqs[0].structured_output.matcher is not reqs[1].structured_output.matcher
-        monkeypatch.setattr(m, "CACHE_BYTES", 1)  # room for none: the oldest compiled goes
+        manager.cache_bytes = 1  # room for none: the oldest compiled goes
         manager.add_request(reqs[2], b, EOS)
         reqs[2].structured_output.grammar.result(timeout=60)
         manager.add_request(reqs[3], a, EOS)
+        reqs[3].structured_output.grammar.result(timeout=60)
     finally:
         manager.shutdown()
     assert compiled == ["a+", "b+", "a+"]

@@ -67,7 +67,8 @@ def test_bench_throughput_end_to_end(qwen3_dir: str):
     cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "throughput"]
     cmd += ["--model", qwen3_dir, "--num-prompts", "4", "--input-len", "16", "--output-len", "8"]
     cmd += ["--distributed-executor-backend", "uni", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": _REPO, "MINIVLLM_CPU_KVCACHE_GIB": "0.05"}
+    cmd += ["--kv-cache-memory-bytes", str(50 << 20)]
+    env = {**os.environ, "PYTHONPATH": _REPO}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = re.search(

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings with the tiny byte-level BPE tokenizer."""
+"""Incremental detokenization and stop strings with the tiny byte-level BPE tokenizer,
+through both decoders: the byte-level table and the general DecodeStream one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import random
 
 import pytest
 
-from minivllm.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
+from minivllm.frontend import detokenizer
+from minivllm.frontend.detokenizer import (
+    ByteLevelDecoder,
+    IncrementalDetokenizer,
+    StreamDecoder,
+    byte_level_table,
+    find_stop_string,
+)
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.protocol.messages import FinishReason
 from minivllm.protocol.sampling_params import SamplingParams
@@ -15,8 +23,39 @@ PROMPT = "Hello world!"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen3_dir: str) -> Tokenizer:
+def byte_level_tokenizer(qwen3_dir: str) -> Tokenizer:
     return load_tokenizer(qwen3_dir)
+
+
+@pytest.fixture(params=["byte-level", "stream"])
+def tokenizer(request, byte_level_tokenizer: Tokenizer, monkeypatch) -> Tokenizer:
+    """The tokenizer, decoded by the table or (as any other tokenizer is) by DecodeStream."""
+    if request.param == "stream":
+        monkeypatch.setattr(detokenizer, "byte_level_table", lambda *args: None)
+    return byte_level_tokenizer
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_decoder_gives_the_stream_decoders_text(
+    byte_level_tokenizer, skip_special_tokens
+):
+    table = byte_level_table(byte_level_tokenizer, skip_special_tokens)
+    assert table is not None
+    # valid text, a character split over several ids: the same text at every step
+    fast, general = ByteLevelDecoder(table), StreamDecoder(byte_level_tokenizer, True, [])
+    for token_id in byte_level_tokenizer.encode("你好 😀 héllo, world"):
+        assert fast.decode([token_id]) == general.decode([token_id])
+    # any ids (bytes that never form UTF-8 show as '�' at different steps): the same text
+    rng = random.Random(1)
+    for _ in range(100):
+        fast = ByteLevelDecoder(table)
+        general = StreamDecoder(byte_level_tokenizer, skip_special_tokens, [])
+        texts = ["", ""]
+        for _ in range(rng.randrange(1, 20)):
+            ids = [rng.randrange(384) for _ in range(rng.randrange(4))]
+            texts[0] += fast.decode(ids)
+            texts[1] += general.decode(ids)
+        assert texts[0] + fast.flush() == texts[1] + general.flush()
 
 
 def stream(

@@ -2,6 +2,10 @@
 
 On a CUDA machine the cases run directly (`gpu` marker). On CPU they run through the Triton
 interpreter in a subprocess, since TRITON_INTERPRET must be set before triton is imported.
+A case may run with an FP8 cache (`:fp8`: the reference attends the dequantized cache, and
+the stored bytes must equal the torch quantization's). Cascade cases share their first P
+tokens' blocks between all decode sequences and run the cascade kernels; the reference is
+plain attention.
 """
 
 from __future__ import annotations
@@ -25,15 +29,23 @@ CASES: dict[str, tuple] = {
     "mixed_block32": ([(1, 50), (1, 33), (40, 40), (17, 81)], 8, 2, 64, 32, 2),
     # decodes, a chunk over a cached prefix, then two whole prompts
     "mixed_fresh": ([(1, 50), (1, 133), (17, 81), (40, 40), (25, 25)], 4, 2, 64, 16, None),
+    # cascade: the decodes share their first 48 (or 32) tokens; a padded decode row (seq_len
+    # 0); prompts that share nothing; 20 decodes fill two query tiles of the prefix kernel
+    "cascade": ([(1, 50), (1, 133), (1, 49), (1, 0)], 4, 2, 64, 16, 48),
+    "cascade_mixed": ([(1, 70), (1, 33), (17, 81), (40, 40)], 8, 2, 64, 32, 32),
+    "cascade_many": ([(1, 40 + 7 * i) for i in range(20)], 4, 2, 64, 16, 32),
 }
 
 
-def check_case(name: str, device: str, dtype: torch.dtype) -> None:
+def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) -> None:
     from minivllm.worker.attention.metadata import AttentionMetadata
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+    from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
     from tests.attention_step import attend
 
     seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
+    shared = splits if name.startswith("cascade") else 0  # tokens of the shared prefix
+    splits = None if shared else splits
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     # a "decode" here is any leading sequence with one query token (as the runner orders them)
     num_decodes = next((i for i, (q_len, _) in enumerate(seqs) if q_len != 1), len(seqs))
@@ -41,15 +53,20 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
     num_blocks = len(seqs) * max_blocks + 3
     perm = torch.randperm(num_blocks, generator=gen)
     block_table = perm[: len(seqs) * max_blocks].view(len(seqs), max_blocks).to(torch.int32)
+    shared_blocks = shared // block_size
+    block_table[:num_decodes, :shared_blocks] = block_table[0, :shared_blocks]
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     cache = rand(*shape)  # garbage everywhere; the prefixes are written below
+    shared_k, shared_v = rand(shared, num_kv_heads, head_dim), rand(shared, num_kv_heads, head_dim)
     qs, ks, vs, slots, full_k, full_v = [], [], [], [], [], []
     for i, (q_len, seq_len) in enumerate(seqs):
         kf, vf = rand(seq_len, num_kv_heads, head_dim), rand(seq_len, num_kv_heads, head_dim)
+        if i < num_decodes and seq_len:  # the same keys in the same blocks
+            kf[:shared], vf[:shared] = shared_k, shared_v
         full_k.append(kf)
         full_v.append(vf)
         pos = torch.arange(seq_len)
@@ -69,10 +86,22 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
     v = torch.cat(vs + [rand(pad, num_kv_heads, head_dim)])
     slot_mapping = torch.cat(slots + [torch.full((pad,), -1)])
 
+    # an FP8 cache: scales that put the values well inside e4m3's range, one saturating
+    kv_scale = torch.tensor([0.02, 0.006], device=device) if fp8 else None
+    cache_dtype = FP8 if fp8 else dtype
+
+    def stored_as(x: torch.Tensor, i: int) -> torch.Tensor:
+        """x as the cache holds it, read back in float64 (the reference's inputs)."""
+        x = x.to(dtype)  # the kernels see the model's dtype first
+        if not fp8:
+            return x.double()
+        return dequantize(quantize(x, kv_scale[i].cpu(), FP8), kv_scale[i].cpu(), torch.float64)
+
+    cache = torch.stack([stored_as(cache[i], i) for i in range(2)])
     expected_cache = cache.clone().view(2, -1, num_kv_heads, head_dim)
     stored = slot_mapping >= 0
-    expected_cache[0, slot_mapping[stored]] = k[stored]
-    expected_cache[1, slot_mapping[stored]] = v[stored]
+    expected_cache[0, slot_mapping[stored]] = stored_as(k[stored], 0)
+    expected_cache[1, slot_mapping[stored]] = stored_as(v[stored], 1)
 
     q_lens = torch.tensor([q_len for q_len, _ in seqs])
     meta = AttentionMetadata(
@@ -94,22 +123,31 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
         .argsort(descending=True)
         .to(torch.int32)
         .to(device),
+        cascade_prefix_len=torch.tensor([shared], dtype=torch.int32, device=device)
+        if shared
+        else None,
     )
     scale = head_dim**-0.5
     dev = {"dtype": dtype, "device": device}
-    kv_cache = cache.to(**dev)
+    scales = kv_scale.cpu() if fp8 else torch.ones(2)
+    kv_cache = torch.stack([quantize(cache[i], scales[i], cache_dtype) for i in range(2)])
+    kv_cache = kv_cache.to(device)
     k, v = k.to(**dev), v.to(**dev)
     out = attend(
-        TritonAttentionBackend(num_splits=splits), q.to(**dev), k, v, kv_cache, meta, scale
+        TritonAttentionBackend(num_splits=splits),
+        q.to(**dev),
+        k,
+        v,
+        kv_cache,
+        meta,
+        scale,
+        kv_scale,
     )
 
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(
-        kv_cache.view(2, -1, num_kv_heads, head_dim).double().cpu(),
-        expected_cache.to(dtype).double(),
-        atol=0,
-        rtol=0,
-    )
+    got_cache = kv_cache.view(2, -1, num_kv_heads, head_dim).cpu()
+    got_cache = torch.stack([dequantize(got_cache[i], scales[i], torch.float64) for i in range(2)])
+    torch.testing.assert_close(got_cache, expected_cache, atol=0, rtol=0)
     gqa = num_heads // num_kv_heads
     row = 0
     for i, (q_len, seq_len) in enumerate(seqs):
@@ -120,8 +158,8 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
             continue
         # round inputs the way the kernel sees them
         qi = qs[i].to(dtype).double()
-        kf = full_k[i].to(dtype).double().repeat_interleave(gqa, dim=1)
-        vf = full_v[i].to(dtype).double().repeat_interleave(gqa, dim=1)
+        kf = stored_as(full_k[i], 0).repeat_interleave(gqa, dim=1)
+        vf = stored_as(full_v[i], 1).repeat_interleave(gqa, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, kf) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
@@ -135,8 +173,10 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "names",
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
-     ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"]],
-    ids=["decode", "prefill"],
+     ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"],
+     ["decode_split:fp8", "mixed_block32:fp8", "mixed_fresh:fp8"],
+     ["cascade", "cascade_mixed:fp8", "cascade_many"]],
+    ids=["decode", "prefill", "fp8", "cascade"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:
     run_interpreted(__file__, *names)
@@ -149,7 +189,15 @@ def test_triton_attention_gpu(name: str, dtype: torch.dtype) -> None:
     check_case(name, "cuda", dtype)
 
 
-if __name__ == "__main__":  # the interpreted run: python this_file.py CASE...
-    for case in sys.argv[1:]:
-        check_case(case, "cpu", torch.float32)
-        print("ok", case)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_attention_fp8_gpu(name: str, dtype: torch.dtype) -> None:
+    check_case(name, "cuda", dtype, fp8=True)
+
+
+if __name__ == "__main__":  # the interpreted run: python this_file.py CASE[:fp8]...
+    for arg in sys.argv[1:]:
+        case, _, mode = arg.partition(":")
+        check_case(case, "cpu", torch.float32, fp8=mode == "fp8")
+        print("ok", arg)

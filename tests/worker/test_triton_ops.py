@@ -66,9 +66,12 @@ def check_qk_norm_rope_kv_store(
 ) -> None:
     """The KV store fused into qk_norm_rope against the unfused path (rotate, then the
     attention backend's store kernel): the same q/k and the same cache, for GQA shapes with
-    padded head tiles (3 kv heads), slot -1 and rows past the slot mapping left unstored."""
+    padded head tiles (3 kv heads), slot -1 and rows past the slot mapping left unstored.
+    An FP8 cache holds exactly the bytes of the torch reference's quantization, values past
+    the range (the small v scale) saturated."""
     from minivllm.worker.attention.torch_attention import store_kv
     from minivllm.worker.attention.triton_attention import store_kv_cache
+    from minivllm.worker.ops.kv_cache import FP8
 
     gen = torch.Generator().manual_seed(3)
     fp32, low = {"atol": 1e-5, "rtol": 1e-5}, {"atol": 2e-2, "rtol": 2e-2}
@@ -79,6 +82,14 @@ def check_qk_norm_rope_kv_store(
     slots = torch.tensor([13, -1, 0, 7, 19, 2], device=device)
     positions = torch.tensor([0, 1, 5, 17, 63, 2, 9], device=device)
     cos_sin = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    fp8 = cache_dtype == FP8
+    kv_scale = torch.tensor([0.03, 0.004], device=device) if fp8 else None
+    if fp8:
+        cache_tol = {"atol": 0, "rtol": 0}
+
+    def bits(x: torch.Tensor) -> torch.Tensor:  # torch.equal has no float8 kernel on the CPU
+        return x.view(torch.uint8) if fp8 else x
+
     for hq, hk in ((8, 2), (6, 3)):
         qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype=dtype, device=device)
         q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer has them
@@ -91,19 +102,21 @@ def check_qk_norm_rope_kv_store(
 
         q_ref, k_ref, ref_cache = q.clone(), k.clone(), cache.clone()
         rotary.qk_norm_rope(q_ref, k_ref, *args)
-        store_kv_cache(k_ref, v, ref_cache, slots)
+        store_kv_cache(k_ref, v, ref_cache, slots, kv_scale)
 
         v_before, untouched = v.clone(), cache.clone()
-        rotary.qk_norm_rope(q, k, *args, v=v, kv_cache=cache, slot_mapping=slots)
+        rotary.qk_norm_rope(q, k, *args, v=v, kv_cache=cache, slot_mapping=slots, kv_scale=kv_scale)
         torch.testing.assert_close(q, q_ref, **tol)
         torch.testing.assert_close(k, k_ref, **tol)
         assert torch.equal(v, v_before)
         # exactly the rotated k and the v rows, cast to the cache dtype, at their slots; every
         # other row (slot -1, the padded token's, the unused slots) as it was
         expected = untouched.clone()
-        store_kv(k, v, expected, slots)
-        assert torch.equal(cache, expected), (hq, hk)
-        torch.testing.assert_close(cache, ref_cache, **cache_tol)
+        store_kv(k, v, expected, slots, kv_scale)
+        assert torch.equal(bits(cache), bits(expected)), (hq, hk)
+        torch.testing.assert_close(cache.float(), ref_cache.float(), **cache_tol)
+        if fp8:  # the small v scale saturated some values
+            assert (cache[1].float().abs() == 448).any()
 
 
 def check_sampler(sample_fn, device: str, draws: int = 2000) -> None:  # noqa: ANN001
@@ -224,6 +237,7 @@ def test_triton_ops_gpu(dtype: torch.dtype) -> None:
     check_qk_norm_rope_kv_store("cuda", dtype, True, dtype)
     check_qk_norm_rope_kv_store("cuda", dtype, False, dtype)
     check_qk_norm_rope_kv_store("cuda", dtype, True, torch.bfloat16)
+    check_qk_norm_rope_kv_store("cuda", dtype, True, torch.float8_e4m3fn)
 
 
 @pytest.mark.gpu
@@ -286,6 +300,8 @@ if __name__ == "__main__":  # the interpreted run: python this_file.py CHECK...
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float32)
             check_qk_norm_rope_kv_store("cpu", torch.float32, False, torch.float32)
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float16)
+            check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float8_e4m3fn)
+            check_qk_norm_rope_kv_store("cpu", torch.bfloat16, False, torch.float8_e4m3fn)
         elif check == "sampler":
             check_sampler(sampling.sample, "cpu", draws=300)
         print("ok", check)

@@ -29,15 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from minivllm import envs
 from minivllm.engine_core.structured_output.grammar import GrammarCompiler, xgrammar
 from minivllm.protocol.structured_outputs import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-# compiled grammars kept, least recently used first out (an 8-field JSON schema's takes
-# ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
-CACHE_BYTES = int(os.environ.get("MINIVLLM_GRAMMAR_CACHE_MB", "512")) << 20
-COMPILE_TIMEOUT_S = float(os.environ.get("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", "60"))
 # below this many rows one thread fills the bitmask; above, xgrammar's thread pool
 _PARALLEL_FILL_ROWS = 16
 
@@ -93,7 +90,11 @@ class StructuredOutputManager:
         )
         self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
         self._compiler: Future[GrammarCompiler] | None = None  # built with the first grammar
+        # compiled grammars, least recently used first out (an 8-field JSON schema's takes
+        # ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
         self._grammars: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
+        self.cache_bytes = envs.grammar_cache_bytes()
+        self.compile_timeout_s = envs.grammar_compile_timeout_s()
         self.waiting: dict[str, tuple[Any, StructuredOutputRequest]] = {}  # compiling
         self._bitmask: np.ndarray | None = None
         self._batch_matcher: Any = None
@@ -125,15 +126,15 @@ class StructuredOutputManager:
         return future
 
     def _evict(self) -> None:
-        """Drop the least recently used compiled grammars past CACHE_BYTES (requests that
-        hold one keep it)."""
+        """Drop the least recently used compiled grammars past the cache's bytes (requests
+        that hold one keep it)."""
         sizes = [
             f.result().memory_size_bytes if f.done() and not f.exception() else 0
             for f in self._grammars.values()
         ]
         total = sum(sizes)
         for spec, size in zip(list(self._grammars), sizes, strict=True):
-            if total <= CACHE_BYTES:
+            if total <= self.cache_bytes:
                 return
             if size:  # compiled: still compiling ones take nothing yet
                 del self._grammars[spec]
@@ -164,13 +165,13 @@ class StructuredOutputManager:
                 except Exception as e:
                     self._grammars.pop(state.spec, None)  # a later request may try again
                     failed.append((req_id, f"structured_outputs: {e}"))
-            elif now - state.submitted > COMPILE_TIMEOUT_S:
+            elif now - state.submitted > self.compile_timeout_s:
                 del self.waiting[req_id]
                 failed.append(
                     (
                         req_id,
                         f"structured_outputs: the grammar did not compile within "
-                        f"{COMPILE_TIMEOUT_S:.0f} s",
+                        f"{self.compile_timeout_s:.0f} s",
                     )
                 )
         return failed

@@ -4,17 +4,26 @@
 Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256 requests, 142,827
 prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
 minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
---num-prompts / --input-len / --output-len choose fixed shapes; --reference-workload forces
-the reference workload anywhere. --logprobs N and --penalties give every request those
-settings; --sampling-variants times, on one engine, a plain run, a run with --logprobs (5 by
-default) and one with --penalties, one after the other, and prints each against the plain one.
---structured-outputs times a plain run and one under a JSON schema of eight fields (it needs a
-tokenizer: --tokenizer DIR with a geometry; benchmarks/qwen3_tokenizer.py builds Qwen3's).
+--num-prompts / --input-len / --output-len choose fixed shapes (--prefix-len puts one shared
+prefix before every prompt: e.g. 256 x (2048 shared + 64) in, 64 out at temperature 0 is the
+shared-prefix scenario that cascade attention serves); --reference-workload forces the
+reference workload anywhere. At temperature 0 a digest of all output tokens is printed, so
+two runs (cascade on and off, say) can be compared for identical tokens. --logprobs N and
+--penalties give every request those settings; --sampling-variants times, on one engine, a
+plain run, a run with --logprobs (5 by default) and one with --penalties, one after the
+other, and prints each against the plain one. --structured-outputs times a plain run and
+one under a JSON schema of eight fields (it needs a tokenizer: --tokenizer DIR with a
+geometry; benchmarks/qwen3_tokenizer.py builds Qwen3's).
+
+On CUDA it also prints the memory-traffic floor twice, for a 16-bit and an FP8 KV cache:
+every output token re-reads its context's KV, every decode step the weights, at the device
+copy bandwidth measured right after the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +54,7 @@ class RunResult:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    digest: str = ""  # of every request's output token ids, in request order
     outputs: list[Any] | None = field(default=None, repr=False)  # the RequestOutputs
 
     @property
@@ -71,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="fixed shapes (default 1000)")
     p.add_argument("--input-len", type=int, default=None, help="fixed shapes (default 1024)")
     p.add_argument("--output-len", type=int, default=None, help="fixed shapes (default 128)")
+    p.add_argument(
+        "--prefix-len", type=int, default=0, help="fixed shapes: a prefix shared by all prompts"
+    )
     p.add_argument(
         "--reference-workload",
         action="store_true",
@@ -134,6 +147,7 @@ def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = 
         fixed[2] or 128,
         seed=args.seed,
         vocab_limit=max_id,
+        prefix_len=getattr(args, "prefix_len", 0),
     )
 
 
@@ -159,7 +173,9 @@ def run_minivllm(
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.num_output_tokens:
         raise RuntimeError(f"generated {produced} tokens, asked for {workload.num_output_tokens}")
-    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, outputs)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, digest, outputs)
 
 
 def print_vllm_lines(r: RunResult) -> None:
@@ -169,40 +185,50 @@ def print_vllm_lines(r: RunResult) -> None:
     )
     print(f"Total num prompt tokens:  {r.prompt_tokens}")
     print(f"Total num output tokens:  {r.output_tokens}")
+    print(f"Elapsed: {r.elapsed_s:.3f} s; output token digest: {r.digest}")
 
 
-def floor_report(hf_config: dict, dtype: str, workload: Workload, r: RunResult) -> dict:
-    """Measure the device copy bandwidth now and compare the run with the traffic floor."""
+def floor_report(
+    hf_config: dict, dtype: str, kv_cache_dtype: str, workload: Workload, r: RunResult
+) -> dict:
+    """Measure the device copy bandwidth now and compare the run with the traffic floors of
+    a 16-bit and an FP8 KV cache (the one this run used first)."""
     from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
     from minivllm.frontend.bench.geometry import num_parameters
 
     heads = int(hf_config["num_attention_heads"])
-    elem = _DTYPE_BYTES[dtype]
-    floor = memory_floor(
-        [len(p) for p in workload.prompts],
-        workload.output_lens,
-        num_layers=int(hf_config["num_hidden_layers"]),
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
-        head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
-        param_bytes=num_parameters(hf_config) * elem,
-        kv_dtype_bytes=elem,
-    )
     bandwidth = measure_copy_bandwidth()
-    floor_s = floor.seconds(bandwidth)
-    pct = 100 * floor_s / r.elapsed_s
     print(f"Device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
-    print(
-        f"Memory-traffic floor: {floor.kv_bytes / 1e12:.2f} TB KV + "
-        f"{floor.weight_bytes / 1e12:.2f} TB weights -> {floor_s:.2f} s = "
-        f"{r.output_tokens / floor_s:.0f} output tok/s; this run: {pct:.1f}% of the floor"
-    )
-    return {
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "floor_kv_bytes": floor.kv_bytes,
-        "floor_weight_bytes": floor.weight_bytes,
-        "floor_s": floor_s,
-        "percent_of_floor": pct,
-    }
+    kv_kinds = [(dtype, _DTYPE_BYTES[dtype]), ("fp8", 1)]
+    if kv_cache_dtype != "auto":
+        kv_kinds.reverse()
+    figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
+    for name, elem in kv_kinds:
+        floor = memory_floor(
+            [len(p) for p in workload.prompts],
+            workload.output_lens,
+            num_layers=int(hf_config["num_hidden_layers"]),
+            num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
+            head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
+            param_bytes=num_parameters(hf_config) * _DTYPE_BYTES[dtype],
+            kv_dtype_bytes=elem,
+        )
+        floor_s = floor.seconds(bandwidth)
+        pct = 100 * floor_s / r.elapsed_s
+        print(
+            f"Memory-traffic floor, {name} KV: {floor.kv_bytes / 1e12:.2f} TB KV + "
+            f"{floor.weight_bytes / 1e12:.2f} TB weights -> {floor_s:.2f} s = "
+            f"{r.output_tokens / floor_s:.0f} output tok/s; this run: {pct:.1f}% of it"
+        )
+        if "floor_s" not in figures:  # the floor of the KV dtype this run used
+            figures.update(
+                floor_kv_bytes=floor.kv_bytes,
+                floor_weight_bytes=floor.weight_bytes,
+                floor_s=floor_s,
+                percent_of_floor=pct,
+            )
+        figures[f"floor_s_{name}_kv"] = floor_s
+    return figures
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -270,10 +296,17 @@ def main(args: argparse.Namespace) -> dict:
             requests_per_s=result.requests_per_s,
             total_tokens_per_s=result.total_tokens_per_s,
             output_tokens_per_s=result.output_tokens_per_s,
+            output_digest=result.digest,
         )
         if config.device.device == "cuda":
             figures.update(
-                floor_report(config.model.hf_config, config.model.dtype, workload, result)
+                floor_report(
+                    config.model.hf_config,
+                    config.model.dtype,
+                    config.cache.kv_cache_dtype,
+                    workload,
+                    result,
+                )
             )
         if args.compare == "hf":
             from minivllm.frontend.bench.hf_compare import run_hf

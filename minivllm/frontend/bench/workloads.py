@@ -60,15 +60,26 @@ def reference_workload() -> Workload:
 
 
 def random_workload(
-    num_prompts: int, input_len: int, output_len: int, seed: int = 0, vocab_limit: int = 10000
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    vocab_limit: int = 10000,
+    prefix_len: int = 0,
 ) -> Workload:
-    """vLLM's `--dataset-name random` at range ratio 0: fixed input and output lengths."""
-    if min(num_prompts, input_len, output_len) < 1:
+    """vLLM's `--dataset-name random` at range ratio 0: fixed input and output lengths; with
+    `prefix_len`, every prompt starts with the same `prefix_len` random tokens (a shared
+    system prompt) before its own `input_len`."""
+    if min(num_prompts, input_len, output_len) < 1 or prefix_len < 0:
         raise ValueError("num_prompts, input_len and output_len must be positive")
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, vocab_limit) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefix = [rng.randint(0, vocab_limit) for _ in range(prefix_len)]
+    prompts = [
+        prefix + [rng.randint(0, vocab_limit) for _ in range(input_len)] for _ in range(num_prompts)
+    ]
+    shared = f"{prefix_len} shared + " if prefix_len else ""
     return Workload(
-        f"random {num_prompts}x({input_len} in, {output_len} out)",
+        f"random {num_prompts}x({shared}{input_len} in, {output_len} out)",
         prompts,
         [output_len] * num_prompts,
     )

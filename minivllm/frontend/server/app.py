@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from minivllm import envs
 from minivllm.exceptions import EngineDeadError
 from minivllm.frontend.async_llm import AsyncLLM
 from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
@@ -45,7 +45,6 @@ from minivllm.protocol.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-LOG_STATS_INTERVAL_S = float(os.environ.get("MINIVLLM_LOG_STATS_INTERVAL", "10"))
 _PARAM_NAMES = frozenset(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 
 
@@ -273,7 +272,8 @@ async def _refresh_scheduler_stats(state: ServerState) -> None:
 
 
 async def _log_stats_forever(state: ServerState) -> None:
+    interval_s = envs.log_stats_interval_s()
     while True:
-        await asyncio.sleep(LOG_STATS_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         await _refresh_scheduler_stats(state)
         state.engine.do_log_stats()

@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 
+from minivllm import envs
+
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from minivllm.frontend.arg_utils import add_engine_args
@@ -26,7 +28,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model directory (or --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"))
+    p.add_argument("--api-key", default=envs.api_key())
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -61,10 +63,8 @@ def build_state(args: argparse.Namespace):
     if args.connect:
         import torch
 
-        from minivllm.frontend.core_client import attached_engine_config
-
         client = AsyncMPClient.connect(args.connect)
-        model_config = attached_engine_config(client.info).model
+        model_config = client.engine_config().model
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
         from minivllm.frontend.arg_utils import engine_args_from
@@ -94,7 +94,7 @@ def run_server(args: argparse.Namespace) -> None:
     from minivllm.frontend.server.streaming import with_server_send
 
     logging.basicConfig(
-        level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+        level=envs.log_level(),
         format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )

@@ -14,7 +14,8 @@ class AttentionBackend(Protocol):
 
     The attention layer (layer.py) calls `store_kv`, then `forward`; where `store_kv` is
     `triton_attention.store_kv_cache`, it may have the rotary kernel do the same writes in
-    its own pass instead."""
+    its own pass instead. `kv_scale` (float32 [2]: the layer's k and v scales) is read only
+    by an FP8 cache (ops/kv_cache.py), which needs it."""
 
     def store_kv(
         self,
@@ -22,6 +23,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] flat slots; -1: not stored
+        kv_scale: torch.Tensor | None = None,
     ) -> None: ...
 
     def forward(
@@ -30,5 +32,6 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # with this step's keys/values stored
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.torch_attention import store_kv
+from minivllm.worker.attention.torch_attention import kv_scales, store_kv
+from minivllm.worker.ops.kv_cache import dequantize
 
 # bound on the gathered K (or V) elements per decode chunk, so memory stays flat
 _MAX_GATHER_ELEMENTS = 1 << 25
@@ -23,8 +24,14 @@ class CpuAttentionBackend:
     store_kv = staticmethod(store_kv)
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        scales = kv_scales(kv_scale, kv_cache)
         out = torch.zeros_like(q)
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
         starts = meta.query_start_loc_cpu
@@ -32,12 +39,12 @@ class CpuAttentionBackend:
             starts = meta.query_start_loc.cpu()
         d = meta.num_decodes
         if d:
-            out[:d] = _decode(q[:d], kv_cache, meta.block_table[:d], seq_lens[:d], scale)
+            out[:d] = _decode(q[:d], kv_cache, scales, meta.block_table[:d], seq_lens[:d], scale)
         starts_list, lens_list = starts.tolist(), seq_lens.tolist()
         for i in range(d, meta.num_seqs):
             q_start, q_end, seq_len = starts_list[i], starts_list[i + 1], lens_list[i]
             out[q_start:q_end] = _prefill(
-                q[q_start:q_end], kv_cache, meta.block_table[i], seq_len, meta.block_size, scale
+                q[q_start:q_end], kv_cache, scales, meta.block_table[i], seq_len, scale
             )
         return out
 
@@ -45,6 +52,7 @@ class CpuAttentionBackend:
 def _decode(
     q: torch.Tensor,  # [d, num_heads, head_dim]
     kv_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
     block_table: torch.Tensor,  # [d, max_blocks]
     seq_lens: torch.Tensor,  # [d] on the host
     scale: float,
@@ -63,6 +71,7 @@ def _decode(
         blocks = block_table[s:e, :num_blocks].long()
         keys = kv_cache[0][blocks].flatten(1, 2).transpose(1, 2)  # [b, kv_heads, L, head_dim]
         values = kv_cache[1][blocks].flatten(1, 2).transpose(1, 2)
+        keys, values = dequantize(keys, scales[0], q.dtype), dequantize(values, scales[1], q.dtype)
         valid = positions[None, :] < seq_lens[s:e, None]  # [b, L]
         o = F.scaled_dot_product_attention(
             q[s:e, :, None, :],
@@ -79,16 +88,17 @@ def _decode(
 def _prefill(
     q: torch.Tensor,  # [q_len, num_heads, head_dim]
     kv_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
     block_row: torch.Tensor,
     seq_len: int,
-    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     q_len, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     blocks = block_row[: -(-seq_len // block_size)].long()
     keys = kv_cache[0][blocks].flatten(0, 1)[:seq_len]  # [L, kv_heads, head_dim]
     values = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+    keys, values = dequantize(keys, scales[0], q.dtype), dequantize(values, scales[1], q.dtype)
     gqa = num_heads != num_kv_heads
     qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
     if q_len == seq_len:

@@ -68,7 +68,12 @@ class FlashAttentionBackend:
         self._with_kvcache = flash_attn_with_kvcache
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,  # 16-bit caches only: no scales
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd, n, num_tokens = meta.num_decodes, meta.num_seqs, meta.num_tokens

@@ -16,6 +16,7 @@ from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.triton_attention import store_kv_cache
 from minivllm.worker.layers.rotary import PendingRotation
 from minivllm.worker.ops._triton import HAS_TRITON
+from minivllm.worker.ops.kv_cache import calculate_kv_scales
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,11 @@ class PagedAttention(nn.Module):
     On CUDA, q and k come as a `PendingRotation`. The rotary kernel writes k and v into the
     cache exactly as `store_kv_cache` does, so where the backend stores with that kernel
     (Triton, flash-attn), rotation and store are one pass and the backend only attends;
-    elsewhere (the torch reference) the rotation runs alone and the backend stores."""
+    elsewhere (the torch reference) the rotation runs alone and the backend stores.
+
+    `kv_scale` holds the layer's k and v scales for an FP8 cache (ops/kv_cache.py): the
+    checkpoint's, or those the step with `meta.compute_kv_scales` sets from its rotated keys
+    and values (kv_scales.py), else 1.0."""
 
     def __init__(self, layer_idx: int, backend: AttentionBackend, scale: float) -> None:
         super().__init__()
@@ -57,6 +62,7 @@ class PagedAttention(nn.Module):
         self.backend = backend
         self.scale = scale
         self.rotary_stores_kv = HAS_TRITON and backend.store_kv is store_kv_cache
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32))
 
     def forward(
         self,
@@ -68,10 +74,14 @@ class PagedAttention(nn.Module):
         if _current is None:
             raise RuntimeError("attention outside a forward batch (see forward_batch)")
         meta, kv_cache = _current.meta, _current.kv_caches[self.layer_idx]
-        if isinstance(q, PendingRotation) and self.rotary_stores_kv:
-            q, k = q.apply(v, kv_cache, meta.slot_mapping)
+        fuse = self.rotary_stores_kv and not meta.compute_kv_scales
+        if isinstance(q, PendingRotation) and fuse:
+            q, k = q.apply(v, kv_cache, meta.slot_mapping, self.kv_scale)
         else:
             if isinstance(q, PendingRotation):
                 q, k = q.apply()
-            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.backend.forward(q, kv_cache, meta, self.scale)
+            if meta.compute_kv_scales:
+                n = meta.num_tokens
+                calculate_kv_scales(k[:n], v[:n], self.kv_scale)
+            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+        return self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)

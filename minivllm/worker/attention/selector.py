@@ -1,7 +1,7 @@
 """Which attention backend a device gets.
 
 On CUDA: flash-attn when the package imports and its kernels cover the configuration (page
-size, head dim, dtype), else Triton. On CPU: the batched CPU backend.
+size, head dim, the KV cache's dtype: not FP8), else Triton. On CPU: the batched CPU backend.
 `MINIVLLM_ATTENTION_BACKEND=flash-attn|triton|cpu|torch` forces one (torch is the slow
 reference); forcing flash-attn where it cannot run is an error, not a silent fallback.
 """
@@ -9,10 +9,10 @@ reference); forcing flash-attn where it cannot run is an error, not a silent fal
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from minivllm import envs
 from minivllm.worker.attention.backend import AttentionBackend
 from minivllm.worker.attention.flash_attention import flash_attn_unsupported_reason
 
@@ -25,7 +25,7 @@ def get_attention_backend(
     device_type: str, *, block_size: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[str, AttentionBackend]:
     """The backend's name and instance; logs the choice and the reason for it."""
-    name = os.environ.get("MINIVLLM_ATTENTION_BACKEND", "")
+    name = envs.attention_backend()
     if name:
         if name not in _BACKENDS:
             raise ValueError(f"MINIVLLM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {name!r}")

@@ -10,17 +10,41 @@ from __future__ import annotations
 import torch
 
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write row t of k/v to flat cache slot slots[t]; rows with a negative slot are skipped."""
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write row t of k/v to flat cache slot slots[t] as the cache stores it (an FP8 cache:
+    divided by `kv_scale`, ops/kv_cache.py); rows with a negative slot are skipped."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     n = len(slots)
+    k_scale, v_scale = kv_scales(kv_scale, kv_cache)
     keep = slots >= 0
+    k, v = k[:n], v[:n]
     if not bool(keep.all()):
-        slots, k, v = slots[keep], k[:n][keep], v[:n][keep]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n].to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n].to(kv_cache.dtype))
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
+    if kv_cache.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def kv_scales(
+    kv_scale: torch.Tensor | None, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) as scalar tensors; 1.0 for a 16-bit cache given none."""
+    if kv_scale is None:
+        if kv_cache.dtype == FP8:
+            raise ValueError("an fp8 KV cache needs its kv_scale")
+        kv_scale = torch.ones(2, device=kv_cache.device)
+    return kv_scale[0], kv_scale[1]
 
 
 class TorchAttentionBackend:
@@ -29,9 +53,15 @@ class TorchAttentionBackend:
     store_kv = staticmethod(store_kv)
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
+        k_scale, v_scale = kv_scales(kv_scale, kv_cache)
         starts = _host_list(meta.query_start_loc_cpu, meta.query_start_loc)
         seq_lens = _host_list(meta.seq_lens_cpu, meta.seq_lens)
         # rows past num_tokens are padding (e.g. for a captured graph): left as zeros
@@ -42,6 +72,8 @@ class TorchAttentionBackend:
             blocks = meta.block_table[i, :num_blocks].long()
             keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            keys = dequantize(keys, k_scale, torch.float32)
+            values = dequantize(values, v_scale, torch.float32)
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
         return out
 

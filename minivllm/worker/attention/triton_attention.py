@@ -1,14 +1,16 @@
-"""Triton paged attention: KV store, decode (optionally split-KV) and prefill kernels.
+"""Triton paged attention: KV store, decode (optionally split-KV or cascade) and prefill.
 
-Per layer and step, `_store_kv_kernel` (`store_kv`) writes this step's k/v rows into the
-paged cache at `slot_mapping` (unless the layer's rotary kernel does it in its own pass, see
-layer.py); then `forward` launches:
+Per layer and step, `store_kv_cache` (ops/kv_cache.py, the backend's `store_kv`) writes
+this step's k/v rows into the paged cache at `slot_mapping` (unless the layer's rotary
+kernel does it in its own pass, see layer.py); then `forward` launches:
   1. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and
      `_merge_kernel` combines the slices by their log-sum-exp. Programs run longest
      context first when `meta.decode_order` is given (1.7% less attention time over the
-     reference workload on an H100, whose contexts range from 100 to 2,048 tokens).
+     reference workload on an H100, whose contexts range from 100 to 2,048 tokens). With
+     `meta.cascade_prefix_len`, each program reads only its sequence's keys past the shared
+     prefix and `_cascade_prefix_kernel` (cascade.py) attends the prefix once for all rows.
   2. `_prefill_kernel` for the other sequences: tiles of queries x keys, causal, over the
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
@@ -18,6 +20,10 @@ CUDA graphs: decode grids depend only on Python ints that are fixed per padded b
 `seq_lens` on the device. Padded decode rows must have `seq_lens == 0` (their output is 0) and
 padded tokens `slot_mapping == -1`. The split-KV scratch is allocated inside `forward`, which
 is legal during capture (it comes from the graph's memory pool).
+
+An FP8 cache (ops/kv_cache.py) is dequantized in registers: keys and values are converted to
+the query's dtype as they are loaded, the key scale is folded into the softmax scale and the
+value scale into the final normalisation.
 """
 
 from __future__ import annotations
@@ -26,55 +32,25 @@ import math
 
 import torch
 
+from minivllm.worker.attention.cascade import _cascade_prefix_kernel, num_prefix_splits
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.torch_attention import store_kv
-from minivllm.worker.ops._triton import (
-    next_power_of_2,
-    pdl,
-    tl,
-    triton,
-    use_triton,
-    wait_for_producers,
-)
+from minivllm.worker.attention.tiles import attend_tile, store_part
+from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
+from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, store_kv_cache
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    wait_for_producers(PDL)
-    tok = tl.program_id(0)
-    slot = tl.load(slot_ptr + tok)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_KV_HEADS)[:, None]
-    src = offs_h[:, None] * stride_k_head + offs_d[None, :]
-    k = tl.load(k_ptr + tok * stride_k_tok + src, mask=mask)
-    src = offs_h[:, None] * stride_v_head + offs_d[None, :]
-    v = tl.load(v_ptr + tok * stride_v_tok + src, mask=mask)
-    dst = cache_ptr + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_pos
-    dst += offs_h[:, None] * stride_c_head + offs_d[None, :]
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, scale_log2,
+    part_lse_ptr, kv_scale_ptr, prefix_ptr, scale_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, CASCADE: tl.constexpr,
+    FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
@@ -88,10 +64,13 @@ def _decode_kernel(
     else:
         seq = rank
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # cascade: the shared prefix [0, start) is attended by `_cascade_prefix_kernel` instead
+    start = tl.load(prefix_ptr) if CASCADE else 0
+    num_tiles = tl.cdiv(tl.maximum(seq_len - start, 0), BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -102,42 +81,37 @@ def _decode_kernel(
         q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
         mask=g_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     cache_head = cache_ptr + kv_head * stride_c_head
+    qk_scale = scale_log2 * k_scale  # the key scale of an FP8 cache, folded in
     for tile in range(tile_start, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
         block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, cache_head, kv_off, n_mask, n_mask[None, :], m_i, l_i, acc, qk_scale,
+            stride_c_kv, DOT, PRECISION,
+        )  # fmt: skip
 
     has_keys = l_i > 0  # false for an empty split or a padded row (seq_len 0)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if FP8:
+        out *= v_scale
+    if NUM_PARTS == 1:
         o_ptrs = out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # scratch layout: [num_decodes, num_heads, NUM_SPLITS, (HEAD_DIM)], contiguous
-        row = (seq * (NUM_KV_HEADS * GQA) + heads) * NUM_SPLITS + split
-        tl.store(
-            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None]
-        )
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        store_part(
+            part_out_ptr, part_lse_ptr, seq, heads, split, out, lse, g_mask,
+            NUM_KV_HEADS * GQA, NUM_PARTS, HEAD_DIM,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -169,12 +143,12 @@ def _merge_kernel(
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, kv_scale_ptr,
     first_seq, scale_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     seq = first_seq + tl.program_id(0)
@@ -196,12 +170,14 @@ def _prefill_kernel(
         q_ptr + q_rows * stride_q_tok + head * stride_q_head + offs_d[None, :],
         mask=m_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT)
     q_pos = prefix_len + offs_m  # position of each query row in its sequence
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     cache_head = cache_ptr + (head // GQA) * stride_c_head
+    k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+    qk_scale = scale_log2 * k_scale  # the key scale of an FP8 cache, folded in
     kv_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)  # causal: later keys unused
     for n_start in range(0, kv_end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -210,45 +186,18 @@ def _prefill_kernel(
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        k = tl.load(cache_head + kv_off, mask=n_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         # every row sees key 0, so the row max is finite after the first tile
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_head + stride_c_kv + kv_off, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, cache_head, kv_off, n_mask, visible, m_i, l_i, acc, qk_scale, stride_c_kv,
+            DOT, PRECISION,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
+    if FP8:
+        out *= v_scale
     o_ptrs = out_ptr + q_rows * stride_o_tok + head * stride_o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-
-
-def store_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write row t of k/v [T, num_kv_heads, head_dim] into `kv_cache` at flat slot
-    `slot_mapping[t]` (int64; -1 = skip), cast to the cache's dtype. One program per slot,
-    which reads its slot on the device: nothing waits for the GPU, and it can be captured
-    in a CUDA graph. On CPU tensors (without the interpreter), the torch store."""
-    if not use_triton(k):
-        store_kv(k, v, kv_cache, slot_mapping)
-        return
-    num_slots = slot_mapping.numel()
-    if not num_slots:
-        return
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    assert k.stride(2) == v.stride(2) == kv_cache.stride(4) == 1
-    _store_kv_kernel[(num_slots,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kv_cache.stride()[:4],
-        NUM_KV_HEADS=num_kv_heads, BLOCK_H=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE=kv_cache.shape[2], **pdl(k),
-    )  # fmt: skip
 
 
 def num_decode_splits(
@@ -273,7 +222,8 @@ class TritonAttentionBackend:
     Knobs for benchmarks: `num_splits` forces the decode split count (by default it follows
     `num_decode_splits` with `max_splits` and `min_programs`); `decode_block_n` and
     `decode_stages` the decode kernel's key tile and pipeline depth; `prefill_tiles` the
-    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs.
+    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs;
+    `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a bfloat16 model.
 
     Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
     paged prefill kernel on an H100 (14 prompts, 7,625 tokens, Qwen3-0.6B heads): 249 µs per
@@ -290,6 +240,7 @@ class TritonAttentionBackend:
         decode_block_n: int | None = None,
         decode_stages: int | None = None,
         prefill_tiles: tuple[int, int, int, int] = (64, 64, 4, 2),
+        fp8_dot_f16: bool = True,
     ) -> None:
         self.max_splits = max_splits
         self.num_splits = num_splits
@@ -297,9 +248,15 @@ class TritonAttentionBackend:
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
         self.prefill_tiles = prefill_tiles
+        self.fp8_dot_f16 = fp8_dot_f16
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
@@ -308,54 +265,96 @@ class TritonAttentionBackend:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} q heads do not divide into {num_kv_heads} kv heads")
         assert q.stride(2) == kv_cache.stride(4) == 1
-        gqa = num_heads // num_kv_heads
-        page = meta.block_size
-        cache_strides = kv_cache.stride()[:4]
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        scale_log2 = scale * LOG2E
-        wide = q.dtype != torch.float32  # 16-bit tiles fit twice as many keys in shared memory
+        fp8 = kv_cache.dtype == FP8
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        nd = meta.num_decodes
-        if nd:
-            splits = self.num_splits or num_decode_splits(
-                nd, num_kv_heads, self.max_splits, self.min_programs
-            )
-            part_out = part_lse = out  # unused without splits
-            if splits > 1:
-                part_out = torch.empty(
-                    (nd, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
-                )
-                part_lse = torch.empty(
-                    (nd, num_heads, splits), dtype=torch.float32, device=q.device
-                )
-            order = meta.decode_order
-            block_n = self.decode_block_n or (128 if wide and head_dim <= 128 else 64)
-            _decode_kernel[(nd * num_kv_heads * splits,)](
-                q, kv_cache, meta.block_table, meta.seq_lens,
-                meta.seq_lens if order is None else order, out, part_out, part_lse,
-                scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                meta.block_table.stride(0), *cache_strides,
-                GQA=gqa, BLOCK_G=max(16, next_power_of_2(gqa)), HEAD_DIM=head_dim,
-                BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits, NUM_KV_HEADS=num_kv_heads,
-                HAS_ORDER=order is not None, PRECISION=precision,
-                num_warps=4, num_stages=self.decode_stages or (3 if wide else 2), **pdl(q),
-            )  # fmt: skip
-            if splits > 1:
-                _merge_kernel[(nd, num_heads)](
-                    part_out, part_lse, out, out.stride(0), out.stride(1),
-                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                    BLOCK_S=next_power_of_2(splits), **pdl(q),
-                )  # fmt: skip
-
-        num_prefills = meta.num_seqs - nd
+        common = dict(
+            GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=meta.block_size, FP8=fp8,
+            DOT=self._dot_dtype(q.dtype, fp8),
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl(q),
+        )  # fmt: skip
+        scale_log2, scales = scale * LOG2E, kv_scale_arg(kv_scale, fp8, q)
+        if meta.num_decodes:
+            self._decode(q, out, kv_cache, meta, scale_log2, scales, common)
+        num_prefills = meta.num_seqs - meta.num_decodes
         if num_prefills:
+            # 16-bit tiles fit twice as many keys in shared memory
+            wide = q.dtype != torch.float32
             block_m, block_n, warps, stages = self.prefill_tiles if wide else (32, 32, 4, 2)
             _prefill_kernel[(num_prefills, math.ceil(meta.max_query_len / block_m), num_heads)](
                 q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, out,
-                nd, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                meta.block_table.stride(0), *cache_strides,
-                GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-                PRECISION=precision, num_warps=warps, num_stages=stages, **pdl(q),
+                scales, meta.num_decodes, scale_log2, q.stride(0), q.stride(1),
+                out.stride(0), out.stride(1), meta.block_table.stride(0), *kv_cache.stride()[:4],
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
             )  # fmt: skip
         return out
+
+    def _dot_dtype(self, q_dtype: torch.dtype, fp8: bool) -> object:
+        """The dtype the kernels' dots take: the query's, except that with an FP8 cache the
+        16-bit dots run in float16, to which e4m3 converts in one instruction per pair (to
+        bfloat16 in three); queries are far inside float16's range."""
+        if fp8 and q_dtype != torch.float32 and self.fp8_dot_f16:
+            return tl.float16
+        return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(q_dtype, tl.float16)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale_log2: float,
+        kv_scale: torch.Tensor,
+        common: dict,
+    ) -> None:
+        """Decode rows 0..num_decodes-1: split-KV or cascade partials, then their merge."""
+        nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        wide = q.dtype != torch.float32
+        cascade = meta.cascade_prefix_len is not None
+        if cascade:  # each sequence's own keys in one piece: they are few
+            splits = 1
+            prefix_m, prefix_n = (64, 64) if wide else (32, 32)
+            prefix_tiles = -(-nd * common["GQA"] // prefix_m)
+            prefix_splits = num_prefix_splits(prefix_tiles, num_kv_heads, self.min_programs)
+        else:
+            splits = self.num_splits or num_decode_splits(
+                nd, num_kv_heads, self.max_splits, self.min_programs
+            )
+            prefix_splits = 0
+        num_parts = splits + prefix_splits
+        part_out = part_lse = out  # unused without splits
+        if num_parts > 1:
+            part_out = torch.empty(
+                (nd, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
+            )
+            part_lse = torch.empty((nd, num_heads, num_parts), dtype=torch.float32, device=q.device)
+        order = meta.decode_order
+        prefix_len = meta.cascade_prefix_len if cascade else meta.seq_lens
+        cache_strides = kv_cache.stride()[:4]
+        block_n = self.decode_block_n or (128 if wide and head_dim <= 128 else 64)
+        gqa = common["GQA"]
+        _decode_kernel[(nd * num_kv_heads * splits,)](
+            q, kv_cache, meta.block_table, meta.seq_lens,
+            meta.seq_lens if order is None else order, out, part_out, part_lse, kv_scale,
+            prefix_len, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.block_table.stride(0), *cache_strides,
+            BLOCK_G=max(16, next_power_of_2(gqa)), BLOCK_N=block_n, NUM_SPLITS=splits,
+            NUM_PARTS=num_parts, NUM_KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
+            CASCADE=cascade, num_warps=4, num_stages=self.decode_stages or (3 if wide else 2),
+            **common,
+        )  # fmt: skip
+        if cascade:
+            _cascade_prefix_kernel[(num_kv_heads, prefix_tiles, prefix_splits)](
+                q, kv_cache, meta.block_table, meta.seq_lens, prefix_len, kv_scale, part_out,
+                part_lse, nd, scale_log2, q.stride(0), q.stride(1), meta.block_table.stride(0),
+                *cache_strides, BLOCK_M=prefix_m, BLOCK_N=prefix_n, NUM_SPLITS=prefix_splits,
+                FIRST_PART=splits, NUM_PARTS=num_parts, NUM_KV_HEADS=num_kv_heads,
+                num_warps=4, num_stages=2, **common,
+            )  # fmt: skip
+        if num_parts > 1:
+            _merge_kernel[(nd, num_heads)](
+                part_out, part_lse, out, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_parts,
+                BLOCK_S=next_power_of_2(num_parts), **pdl(q),
+            )  # fmt: skip

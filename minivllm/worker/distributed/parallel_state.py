@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from minivllm import envs
 from minivllm.worker.ops.norm import add_rms_norm
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def _fast_all_reduce(group: Any, device: torch.device, max_bytes: int) -> Triton
     from minivllm.worker.distributed.triton_all_reduce import TritonAllReduce
 
     rank = dist.get_rank(group)
-    if os.environ.get(DISABLE_ENV) == "1":
+    if envs.symm_all_reduce_disabled():
         if rank == 0:
             logger.info("symmetric-memory all-reduce disabled by %s=1", DISABLE_ENV)
         return None

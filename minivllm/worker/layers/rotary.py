@@ -90,15 +90,18 @@ class PendingRotation(NamedTuple):
         v: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms (for `HeadNormed`) and rotates q and k in place and returns them. Given v,
-        kv_cache and slot_mapping, the rotated k and v also go into kv_cache at slot_mapping
-        in the same pass, as `ops.rotary.qk_norm_rope` describes."""
+        kv_cache and slot_mapping (and an FP8 cache's kv_scale), the rotated k and v also go
+        into kv_cache at slot_mapping in the same pass, as `ops.rotary.qk_norm_rope`
+        describes."""
         q, k = self.q, self.k
+        store = (v, kv_cache, slot_mapping, kv_scale)
         if not isinstance(q, HeadNormed):
             qk_norm_rope(q, k, None, None, self.cos_sin_cache, self.positions, 0.0, False,
-                         v, kv_cache, slot_mapping)  # fmt: skip
+                         *store)  # fmt: skip
             return q, k
         qk_norm_rope(q.x, k.x, q.weight, k.weight, self.cos_sin_cache, self.positions, q.eps,
-                     True, v, kv_cache, slot_mapping)  # fmt: skip
+                     True, *store)  # fmt: skip
         return q.x, k.x

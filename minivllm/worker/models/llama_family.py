@@ -16,6 +16,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
+from minivllm.worker.attention.kv_scales import KVScaleLoader
 from minivllm.worker.attention.layer import PagedAttention, forward_batch
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.distributed.parallel_state import TPGroup
@@ -197,6 +198,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.has_kv_scales = False  # whether the checkpoint gave k/v scales (load_weights)
 
     def forward(
         self,
@@ -226,8 +228,9 @@ class CausalLM(nn.Module):
         expected = {name: _shards_of(name) for name in params}
         loaded: dict[str, set] = {name: set() for name in params}
         unexpected = []
+        kv_scales = KVScaleLoader(self)
         for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
+            if "rotary_emb.inv_freq" in hf_name or kv_scales.load(hf_name, tensor):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints still store it
@@ -256,6 +259,7 @@ class CausalLM(nn.Module):
                 f"checkpoint does not match {self.config.architecture}: "
                 f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
             )
+        self.has_kv_scales = kv_scales.finish()
 
 
 def _shards_of(param_name: str) -> set:

@@ -3,8 +3,6 @@
 `architectures: ["MiniVllmNullForCausalLM"]` in a config.json selects it. Every step still
 goes through scheduling, the wire, input preparation, sampling and detokenization; only the
 forward pass is gone. The token it "predicts" at position p is a fixed function of p.
-For fault-injection tests, `"null_fail_at_position": P` in config.json makes the forward
-raise once any position reaches P.
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ class NullForCausalLM(nn.Module):
     def __init__(self, model_config, variant, tp, attn_backend, params_dtype=None) -> None:
         super().__init__()
         self.vocab_size = model_config.vocab_size
-        self.fail_at = model_config.hf_config.get("null_fail_at_position")
         # one-hot logits rows, reused: allocating and zeroing [N, V] every step costs more
         # than the rest of the worker's step; only last step's ones are cleared
         self._logits: torch.Tensor | None = None
         self._hot: torch.Tensor | None = None  # the previous step's token per row
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        if self.fail_at is not None and int(positions.max()) >= self.fail_at:
-            raise RuntimeError(f"injected failure at position {self.fail_at}")
         return positions.to(torch.float32)[:, None]  # the "hidden state" is the position
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
+from minivllm import envs
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,7 @@ def next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    if os.environ.get("MINIVLLM_PDL", "1") == "0":
+    if not envs.pdl_enabled():
         return False
     if torch.version.hip is not None:  # the wait and the trigger are PTX instructions
         return False

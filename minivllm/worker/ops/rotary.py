@@ -24,6 +24,7 @@ from minivllm.worker.ops._triton import (
     use_triton,
     wait_for_producers,
 )
+from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, to_cache
 
 
 def build_cos_sin_cache(
@@ -93,11 +94,11 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_w_ptr, k_w_ptr, cache_ptr, pos_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cache, n_q_heads,
     n_k_heads, eps,
-    v_ptr, kv_ptr, slot_ptr, n_slots, stride_v_tok, stride_v_head,
+    v_ptr, kv_ptr, slot_ptr, kv_scale_ptr, n_slots, stride_v_tok, stride_v_head,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
     APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr, PAGE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     tok = tl.program_id(0)
@@ -125,10 +126,11 @@ def _qk_norm_rope_kernel(
             v1 = tl.load(src, mask=mask)
             v2 = tl.load(src + HALF, mask=mask)
             ty = kv_ptr.dtype.element_ty
-            tl.store(dst, k1.to(ty), mask=mask)
-            tl.store(dst + HALF, k2.to(ty), mask=mask)
-            tl.store(dst + stride_c_kv, v1.to(ty), mask=mask)
-            tl.store(dst + stride_c_kv + HALF, v2.to(ty), mask=mask)
+            k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
+            tl.store(dst, to_cache(k1, k_scale, FP8, ty), mask=mask)
+            tl.store(dst + HALF, to_cache(k2, k_scale, FP8, ty), mask=mask)
+            tl.store(dst + stride_c_kv, to_cache(v1, v_scale, FP8, ty), mask=mask)
+            tl.store(dst + stride_c_kv + HALF, to_cache(v2, v_scale, FP8, ty), mask=mask)
 
 
 def qk_norm_rope_torch(
@@ -164,6 +166,7 @@ def qk_norm_rope(
     v: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (views with unit last stride are fine):
     optional per-head RMSNorm with weights [D], then rotary at `positions` [T] (int64).
@@ -171,7 +174,8 @@ def qk_norm_rope(
     With `v` [T, Hkv, D], `kv_cache` [2, num_blocks, block_size, Hkv, D] and `slot_mapping`
     (int64, one flat slot per token; -1, and rows past its end, are not stored), token t's
     rotated k and its v also go into the cache at slot `slot_mapping[t]`, in the cache's
-    dtype, as the attention backends' own store would write them. Only the Triton path stores (it reads the
+    dtype, as the attention backends' own store would write them (an FP8 cache divides by
+    `kv_scale` [2], see ops/kv_cache.py). Only the Triton path stores (it reads the
     slots on the device, so it is CUDA-graph safe); asking the torch fallback is an error."""
     head_dim = q.shape[-1]
     if head_dim % 2 or head_dim & (head_dim - 1):
@@ -195,14 +199,17 @@ def qk_norm_rope(
                 f"k {tuple(k.shape)}"
             )
         assert v.stride(-1) == kv_cache.stride(-1) == 1
-        v_args = (v, kv_cache, slot_mapping, slot_mapping.numel(), v.stride(0), v.stride(1))
+        fp8 = kv_cache.dtype == FP8
+        scale = kv_scale_arg(kv_scale, fp8, v)
+        v_args = (v, kv_cache, slot_mapping, scale, slot_mapping.numel(), *v.stride()[:2])
         cache_strides, page = kv_cache.stride()[:4], kv_cache.shape[2]
     else:  # dummies, never read
-        v_args, cache_strides, page = (k, k, positions, 0, 0, 0), (0, 0, 0, 0), 1
+        fp8, v_args, cache_strides, page = False, (k, k, positions, k, 0, 0, 0), (0, 0, 0, 0), 1
     _qk_norm_rope_kernel[(q.shape[0],)](
         q, k, q_w, k_w, cos_sin_cache, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1], eps, *v_args, *cache_strides,
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]),
-        HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page, **pdl(q),
+        HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page, FP8=fp8,
+        **pdl(q),
     )  # fmt: skip

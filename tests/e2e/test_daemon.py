@@ -14,8 +14,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.protocol.messages import UtilityMethod
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.process_helpers import python_env
 
 CLIENT = """
 import asyncio, json, sys
@@ -45,17 +44,13 @@ uvloop.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
 def start_client(address: str, n: int, max_tokens: int) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", CLIENT, address, str(n), str(max_tokens)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=_env(),
+        env=python_env(),
     )
 
 
@@ -90,7 +85,7 @@ def daemon(qwen3_dir: str, tmp_path):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=_env(),
+        env=python_env(),
     )
     # connecting succeeds once the engine is up (the handshake waits for it)
     wait_for_stats(address, lambda s: True, timeout=5)

@@ -1,38 +1,15 @@
-"""All-reduce latency on 2 GPUs: NCCL against the Triton one-shot kernel over symmetric
-memory (minivllm.worker.distributed.triton_all_reduce), each eager and replayed in a CUDA
-graph.
-
-    python benchmarks/allreduce_gpu.py
-
-bf16 messages from 16 KiB to 8 MiB (a TP=2 decode step of 256 sequences at hidden 4096
-all-reduces 2 MiB). Each path's result is checked against the NCCL sum, eager and after a
-graph replay. Prints µs per all-reduce, one row per size; a cell is marked BAD (wrong sum) or
-reads ERR (it raised; the errors are printed below the table).
-
-A second table times what a decoder does after a row-parallel layer, for bf16 [rows, 4096]
-with a residual (rows 1, 64, 256: decode steps of that many sequences), inside a CUDA graph:
-the Triton all-reduce then ops.norm.fused_add_rms_norm (two launches) against
-TritonAllReduce.all_reduce_add_rms_norm (one), and checks that the two give the same bits,
-eager and after the replays. The whole run is killed after TIMEOUT_S.
-"""
+"""What each rank of `minivllm bench allreduce` runs (see allreduce.py); imported only
+when the benchmark runs, since it imports torch.distributed."""
 
 from __future__ import annotations
 
-import os
+import socket
+import sys
+import time
 
-# before any CUDA or torch.distributed use, here and in the spawned ranks: no NVLink
-# multicast anywhere (NCCL's NVLS, symmetric memory's multimem, NVSHMEM's NVLS)
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
-
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 SIZES = [16 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 METHODS = ("nccl", "triton")
@@ -216,7 +193,8 @@ def norm_table(comm, rank: int, device: torch.device, errors: list[str]) -> None
             print("  ".join(f"{c:>13}" for c in cells), flush=True)
 
 
-def main() -> int:
+def launch() -> int:
+    """Both ranks in spawned processes; the exit status of the worse one."""
     if torch.cuda.device_count() < 2:
         print(f"needs 2 CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 1
@@ -236,7 +214,3 @@ def main() -> int:
         print(f"timed out after {TIMEOUT_S} s: a path hung at the size after the last row")
         return 1
     return max(abs(p.exitcode or 0) for p in procs)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

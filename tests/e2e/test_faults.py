@@ -4,10 +4,13 @@ is left behind, and nothing sent to a socket is ever executed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -16,18 +19,13 @@ import uvloop
 import zmq
 
 from minivllm import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
-from tests.process_helpers import spawned_children, wait_gone
+from tests.process_helpers import python_env, spawned_children, wait_gone
 from tests.tiny_models import build_null_checkpoint
 
 
 @pytest.fixture(scope="module")
 def null_dir(tmp_path_factory) -> str:
     return build_null_checkpoint(str(tmp_path_factory.mktemp("null")))
-
-
-@pytest.fixture(scope="module")
-def failing_null_dir(tmp_path_factory) -> str:
-    return build_null_checkpoint(str(tmp_path_factory.mktemp("fail")), null_fail_at_position=200)
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -82,11 +80,21 @@ def test_sigkill_reaches_every_caller(null_dir: str, victim: str) -> None:
     assert wait_gone(pids, timeout=15) == []
 
 
-def test_exception_in_forward_reaches_every_caller(failing_null_dir: str) -> None:
-    results, waited, pids = _run_and_kill(failing_null_dir, lambda core, worker: None)
-    assert all(isinstance(r, EngineDeadError) for r in results), results
-    assert "injected failure" in str(results[0])
-    assert wait_gone(pids, timeout=15) == []
+def test_exception_in_forward_reaches_every_caller(null_dir: str) -> None:
+    script = os.path.join(os.path.dirname(__file__), "failing_forward.py")
+    proc = subprocess.run(
+        [sys.executable, script, null_dir],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r.startswith("EngineDeadError") for r in got["results"]), got["results"]
+    assert "injected failure at position 200" in got["results"][0]
+    assert len(got["pids"]) == 2  # the engine-core and its worker
+    assert wait_gone(got["pids"], timeout=15) == []
 
 
 class _Boom:

@@ -1,6 +1,7 @@
-"""Greedy tokens at every tensor-parallel size are the same (dummy weights of a real geometry).
+"""`minivllm bench tp-equality`: greedy tokens at every tensor-parallel size are the same
+(dummy weights of a real geometry).
 
-    python benchmarks/tp_equality.py --geometry qwen3-8b --tp-sizes 1 2 --dtype float32
+    minivllm bench tp-equality --geometry qwen3-8b --tp-sizes 1 2 --dtype float32
 
 Run on a machine with as many GPUs as the largest TP size (NCCL_NVLS_ENABLE=0), or on CPU
 with gloo (`--device cpu`, with a small geometry). Prints one line per TP size and exits 1
@@ -11,16 +12,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 
 
-def main() -> int:
-    from minivllm import LLM, SamplingParams
-    from minivllm.frontend.bench.geometry import write_geometry
-
-    p = argparse.ArgumentParser()
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tp-equality",
+        help="greedy tokens at several tensor-parallel sizes, compared token for token",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--geometry", default="qwen3-8b")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dtype", default="float32")
@@ -28,7 +30,14 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true")
-    args = p.parse_args()
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> bool:
+    """True when every TP size gave the first one's tokens (the command exits 1 otherwise)."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.frontend.bench.geometry import write_geometry
+
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(rng.randint(16, 256))]}
@@ -48,6 +57,7 @@ def main() -> int:
                 skip_tokenizer_init=True,
                 max_model_len=1024,
                 device=args.device,
+                enforce_eager=args.enforce_eager,
             )
             outs = llm.generate(prompts, params, use_tqdm=False)
             llm.shutdown()
@@ -67,8 +77,6 @@ def main() -> int:
         print(f"TP={tp} vs TP={args.tp_sizes[0]}: {agree}/{total} tokens equal")
         same &= tokens == base
     print("IDENTICAL" if same else "DIFFERENT")
-    return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if not same:
+        raise SystemExit(1)
+    return same

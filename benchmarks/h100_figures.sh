@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The figures of RESULTS.md's table on one H100, in one call, most important first:
+#   bash benchmarks/h100_figures.sh [tests] [fp8] [prefix] [bf16] [latency] [step] [step1] [kernels] [accuracy]
+# (no arguments: all of them, in that order; a step may be named twice). Each step's output
+# goes to $OUT/log.txt; a summary of the lines that carry figures is printed last. Steps
+# start only while less than $BUDGET_S seconds (default 540) have passed, so the call ends
+# inside a 600 s limit. $TESTS overrides the GPU test files.
+set -u
+OUT=${OUT:-/tmp/minivllm-figures}
+BUDGET_S=${BUDGET_S:-540}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+B="python -m minivllm.frontend.cli bench"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests fp8 prefix bf16 bf16 latency step step1 kernels accuracy)
+TESTS=${TESTS:-tests/worker/test_triton_attention.py tests/worker/test_triton_ops.py \
+tests/worker/test_gpu_kv.py tests/worker/test_gpu_runner.py}
+START=$SECONDS
+
+run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
+    local name=$1 limit=$2
+    shift 2
+    if (( SECONDS - START > BUDGET_S )); then
+        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
+        return
+    fi
+    echo "== $name: $*" | tee -a "$LOG"
+    local t=$SECONDS
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
+git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+for step in "${STEPS[@]}"; do
+    case $step in
+    # shellcheck disable=SC2086 - TESTS is a list of files
+    tests) run tests 300 python -m pytest -q -m gpu -p no:cacheprovider $TESTS ;;
+    fp8) run fp8 150 $B throughput --kv-cache-dtype fp8 --output-json "$OUT/fp8.json" ;;
+    prefix)  # 256 x (2048 shared + 64) -> 64 greedy tokens, cascade on and off
+        for cascade in no-disable disable; do
+            run "prefix --$cascade-cascade-attn" 120 env \
+                MINIVLLM_STEP_TRACE="$OUT/trace_prefix_$cascade.jsonl" $B throughput \
+                --num-prompts 256 --input-len 64 --output-len 64 --prefix-len 2048 \
+                --temperature 0 --$cascade-cascade-attn
+            run "trace prefix $cascade" 20 $B trace "$OUT/trace_prefix_$cascade.jsonl"
+        done ;;
+    bf16)
+        run bf16 150 env MINIVLLM_STEP_TRACE="$OUT/trace_bf16.jsonl" $B throughput
+        run "trace bf16" 20 $B trace "$OUT/trace_bf16.jsonl" ;;
+    latency) run latency 150 $B latency --batch-size 1 --input-len 512 --output-len 128 \
+        --num-iters-warmup 3 --num-iters 10 ;;
+    step) run step 120 $B step --prefill 512 --steps 20 --profile-sort cpu ;;
+    step1) run step1 120 $B step --num 1 --ctx 512 --steps 50 ;;
+    kernels) run kernels 150 $B kernels --only attention ;;
+    accuracy) run accuracy 120 $B kv-accuracy --calculate-kv-scales ;;
+    esac
+done
+
+echo "======== summary ($((SECONDS - START)) s)"
+grep -E "^== |passed|failed|Error|Throughput:|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
+agreement|KV cache: [0-9]|captured|decode attention|cascade attention|prefill attention|\
+steps, |^decode <=|^prefill \(|decode step|graph replay" "$LOG" \
+    | grep -v "^== .*: python\|^== .*: env\|^== .*: timeout" | cut -c1-200

@@ -1,0 +1,177 @@
+"""`minivllm bench kv-accuracy`: what an FP8 KV cache costs in next-token accuracy.
+
+Each prompt runs through the model once with a KV cache of the model's dtype and once with an
+FP8 cache. Attention reads every key and value back from the cache, the step's own included,
+so the logits at position t are those a decode step at t computes; both runs are compared
+at every position: top-1 agreement (the same greedy token) and the mean KL divergence
+KL(reference || fp8) of the next-token distributions. With --compare hf (a real checkpoint),
+transformers' float32 logits are the reference of both runs instead.
+
+The FP8 scales follow the engine's rules: the checkpoint's, else with --calculate-kv-scales
+those of the first prompt, else 1.0. Default prompts: the reference workload's first 64 on
+CUDA, 8 random prompts of 128 tokens on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from minivllm.frontend.arg_utils import add_engine_args
+from minivllm.frontend.bench.common import (
+    add_model_args,
+    bench_engine_args,
+    max_token_id,
+    model_dir,
+    resolve_device,
+)
+from minivllm.frontend.bench.workloads import random_workload, reference_workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "kv-accuracy",
+        help="next-token agreement and KL of an FP8 KV cache against the model's dtype",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="default 64 (CUDA) / 8 (CPU)")
+    p.add_argument("--input-len", type=int, default=None, help="random prompts of this length")
+    p.add_argument("--compare", choices=["hf"], default=None, help="transformers as reference")
+    p.add_argument("--output-json", default=None)
+    add_model_args(p)
+    add_engine_args(p, model_required=False)
+    p.set_defaults(func=main)
+
+
+@dataclass
+class Agreement:
+    """Next-token agreement of one run against a reference, over all positions."""
+
+    positions: int = 0
+    top1_equal: int = 0
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+
+    def add(self, ref_logits: Any, logits: Any) -> None:
+        ref_logp = ref_logits.float().log_softmax(-1)
+        logp = logits.float().log_softmax(-1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        self.positions += kl.numel()
+        self.top1_equal += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
+        self.kl_sum += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
+
+    @property
+    def top1(self) -> float:
+        return self.top1_equal / max(1, self.positions)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / max(1, self.positions)
+
+    def line(self, what: str) -> str:
+        return (
+            f"{what}: top-1 agreement {100 * self.top1:.2f}% of {self.positions} positions, "
+            f"mean KL {self.mean_kl:.2e}, max KL {self.kl_max:.2e}"
+        )
+
+
+class PrefillLogits:
+    """The model of an engine config on one device, and the logits of a whole prompt with a
+    KV cache of a given dtype (the caches are allocated per call, sized to the prompt)."""
+
+    def __init__(self, config: Any) -> None:
+        import torch
+
+        from minivllm.worker.attention.selector import get_attention_backend
+        from minivllm.worker.distributed.parallel_state import TPGroup
+        from minivllm.worker.model_loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        _, backend = get_attention_backend(
+            self.device.type,
+            block_size=config.cache.block_size,
+            head_dim=config.model.head_dim,
+            dtype=self.dtype,
+        )
+        self.model = load_model(config.model, self.device, TPGroup(), backend)
+
+    def __call__(self, tokens: list[int], kv_dtype: Any, compute_kv_scales: bool = False) -> Any:
+        import torch
+
+        from minivllm.worker.attention.metadata import one_prompt_metadata
+        from minivllm.worker.kv_cache_memory import KVCacheShape
+
+        m, bs, dev, n = self.config.model, self.config.cache.block_size, self.device, len(tokens)
+        shape = KVCacheShape(m.num_layers, bs, m.num_kv_heads, m.head_dim, kv_dtype)
+        caches = shape.allocate(-(-n // bs), dev)
+        meta = one_prompt_metadata(n, bs, dev, compute_kv_scales=compute_kv_scales)
+        with torch.inference_mode():
+            ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+            hidden = self.model(ids, torch.arange(n, device=dev), caches, meta)
+            return self.model.compute_logits(hidden)
+
+
+def compare(config: Any, prompts: list[list[int]], hf_model: Any = None) -> dict[str, Agreement]:
+    """Agreement of the FP8-cache run (and, against transformers, the reference run too)."""
+    import torch
+
+    from minivllm.worker.ops.kv_cache import FP8
+
+    run = PrefillLogits(config)
+    calculate = config.cache.calculate_kv_scales and not run.model.has_kv_scales
+    results = {"fp8 vs model dtype": Agreement()}
+    if hf_model is not None:
+        results = {"model dtype vs hf": Agreement(), "fp8 vs hf": Agreement()}
+    for i, tokens in enumerate(prompts):
+        ref = run(tokens, run.dtype)
+        fp8 = run(tokens, FP8, compute_kv_scales=calculate and i == 0)
+        if hf_model is None:
+            results["fp8 vs model dtype"].add(ref, fp8)
+            continue
+        with torch.no_grad():
+            hf = hf_model(torch.tensor([tokens])).logits[0].to(ref.device)
+        results["model dtype vs hf"].add(hf, ref)
+        results["fp8 vs hf"].add(hf, fp8)
+    return results
+
+
+def main(args: argparse.Namespace) -> dict:
+    device = resolve_device(args.device)
+    with model_dir(args) as (model, geometry):
+        if args.input_len is None and device == "cuda":
+            prompts = reference_workload().subset(args.num_prompts or 64).prompts
+        else:
+            shape = (args.num_prompts or 8, args.input_len or 128)
+            prompts = random_workload(*shape, 1, seed=args.seed, vocab_limit=max_token_id(model))
+            prompts = prompts.prompts
+        config = bench_engine_args(args, model, geometry).create_engine_config()
+        hf_model = None
+        if args.compare == "hf":
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(model, dtype="float32").eval()
+        print(
+            f"Model: {geometry or model} ({config.model.dtype}); {len(prompts)} prompts, "
+            f"{sum(map(len, prompts))} positions; FP8 scales: "
+            f"{'first prompt' if config.cache.calculate_kv_scales else 'checkpoint or 1.0'}"
+        )
+        results = compare(config, prompts, hf_model)
+    figures = {}
+    for what, agreement in results.items():
+        print(agreement.line(what))
+        figures[what] = {
+            "positions": agreement.positions,
+            "top1": agreement.top1,
+            "mean_kl": agreement.mean_kl,
+            "max_kl": agreement.kl_max,
+        }
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return figures

@@ -1,0 +1,98 @@
+"""The attention and KV-store kernels compile for an H100 (sm_90) without a GPU, with an FP8
+and a 16-bit cache, cascade on and off; an FP8 cache is converted in registers by the
+hardware's e4m3 conversions (one instruction per pair of values) and its stores saturate."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from minivllm.worker.ops._triton import HAS_TRITON
+from tests.hopper_compile import compile_for_hopper
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+DEQUANT, QUANT = "cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32"
+CACHE_STRIDES = dict.fromkeys(
+    ("stride_c_kv", "stride_c_blk", "stride_c_pos", "stride_c_head"), "i32"
+)
+
+
+def _i32(*names: str) -> dict:
+    return dict.fromkeys(names, "i32")
+
+
+def _attention(kind: str, fp8: bool, cascade: bool = False) -> str:
+    """PTX of the decode, cascade-prefix or prefill kernel at Qwen3-0.6B's head shapes."""
+    import triton.language as tl
+
+    from minivllm.worker.attention import cascade as cascade_mod
+    from minivllm.worker.attention import triton_attention as ta
+
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    head = {"q_ptr": "*bf16", "cache_ptr": cache, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    consts = dict(GQA=2, HEAD_DIM=128, PAGE=16, FP8=fp8, PRECISION="tf32", PDL=True)
+    consts["DOT"] = tl.float16 if fp8 else tl.bfloat16
+    if kind == "decode":
+        kernel = ta._decode_kernel
+        sig = head | {"order_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32"}
+        sig |= {"part_lse_ptr": "*fp32", "kv_scale_ptr": "*fp32", "prefix_ptr": "*i32"}
+        sig |= {"scale_log2": "fp32"} | _i32("stride_q_tok", "stride_q_head", "stride_o_tok")
+        sig |= _i32("stride_o_head", "stride_bt") | CACHE_STRIDES
+        consts |= dict(BLOCK_G=16, BLOCK_N=128, NUM_SPLITS=1, NUM_PARTS=5 if cascade else 1)
+        consts |= dict(NUM_KV_HEADS=8, HAS_ORDER=True, CASCADE=cascade)
+    elif kind == "prefix":
+        kernel = cascade_mod._cascade_prefix_kernel
+        sig = head | {"prefix_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_out_ptr": "*fp32"}
+        sig |= {"part_lse_ptr": "*fp32", "num_decodes": "i32", "scale_log2": "fp32"}
+        sig |= _i32("stride_q_tok", "stride_q_head", "stride_bt") | CACHE_STRIDES
+        consts |= dict(BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=4, FIRST_PART=1, NUM_PARTS=5)
+        consts |= dict(NUM_KV_HEADS=8)
+    else:
+        kernel = ta._prefill_kernel
+        sig = head | {"query_start_ptr": "*i32", "out_ptr": "*bf16", "kv_scale_ptr": "*fp32"}
+        sig |= {"first_seq": "i32", "scale_log2": "fp32"}
+        sig |= _i32("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head")
+        sig |= _i32("stride_bt") | CACHE_STRIDES
+        consts |= dict(BLOCK_M=64, BLOCK_N=64)
+    return compile_for_hopper(kernel, sig, consts, 4).asm["ptx"]
+
+
+@pytest.mark.parametrize(
+    "kind, cascade",
+    [("decode", False), ("decode", True), ("prefix", True), ("prefill", False)],
+)
+def test_attention_kernels_dequantize_in_registers(kind: str, cascade: bool) -> None:
+    ptx = _attention(kind, fp8=True, cascade=cascade)
+    # float16 tensor-core dots: mma.sync for decode tiles, Hopper's wgmma for 64-row ones
+    assert DEQUANT in ptx and re.search(r"mma\.\S*f32\.f16\.f16", ptx)
+    assert "cvt.bf16.f16" not in ptx  # no detour through bfloat16
+    assert DEQUANT not in _attention(kind, fp8=False, cascade=cascade)
+
+
+@pytest.mark.parametrize("store", ["store_kv_cache", "qk_norm_rope"])
+def test_kv_stores_quantize_with_saturation(store: str) -> None:
+    from minivllm.worker.ops import kv_cache, rotary
+
+    cache = {"*fp8e4nv": True, "*bf16": False}
+    for cache_type, fp8 in cache.items():
+        if store == "store_kv_cache":
+            kernel = kv_cache._store_kv_kernel
+            sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": cache_type}
+            sig |= {"slot_ptr": "*i64", "kv_scale_ptr": "*fp32"}
+            sig |= _i32("stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head")
+            consts = dict(NUM_KV_HEADS=8, BLOCK_H=8, HEAD_DIM=128, PAGE=16, FP8=fp8, PDL=True)
+        else:
+            kernel = rotary._qk_norm_rope_kernel
+            sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16"}
+            sig |= {"cache_ptr": "*fp32", "pos_ptr": "*i64"}
+            sig |= _i32("stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head")
+            sig |= _i32("stride_cache", "n_q_heads", "n_k_heads") | {"eps": "fp32"}
+            sig |= {"v_ptr": "*bf16", "kv_ptr": cache_type, "slot_ptr": "*i64"}
+            sig |= {"kv_scale_ptr": "*fp32", "n_slots": "i32"}
+            sig |= _i32("stride_v_tok", "stride_v_head")
+            consts = dict(BLOCK_HQ=16, BLOCK_HK=8, HALF=64, APPLY_NORM=True, STORE_KV=True)
+            consts |= dict(PAGE=16, FP8=fp8, PDL=True)
+        ptx = compile_for_hopper(kernel, sig | CACHE_STRIDES, consts, 4).asm["ptx"]
+        assert (QUANT in ptx) == fp8, cache_type
