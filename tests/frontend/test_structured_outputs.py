@@ -9,25 +9,20 @@ import asyncio
 import json
 
 import pytest
-import uvloop
 
 from minivllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from minivllm import StructuredOutputsParams as SO
 from minivllm.frontend.input_processor import InputProcessor
+from tests.frontend import test_async_llm
 from tests.structured_cases import SCHEMA, check_text, constraints
 
-_LOOP = uvloop.new_event_loop()
+async_llm = test_async_llm.async_llm  # the fixture: an AsyncLLM of the tiny Qwen3, per module
+run = test_async_llm.run  # a coroutine to completion on the shared uvloop
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir: str):
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=qwen3_dir, dtype="float32"))
-    yield llm
-    llm.shutdown()
-
-
-def run(coro):
-    return _LOOP.run_until_complete(coro)
+@pytest.fixture
+def llm(async_llm: AsyncLLM) -> AsyncLLM:
+    return async_llm
 
 
 async def final(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str):
