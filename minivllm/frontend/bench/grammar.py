@@ -13,7 +13,8 @@ real vocabulary (Qwen3's: benchmarks/qwen3_tokenizer.py builds it offline).
    step trace: pure-decode steps of the whole batch launched while a grammar compiled,
    against those launched while none did, and the trace around the first compile.
 
-Dummy Qwen3-0.6B weights unless --model DIR (on the CPU, the qwen3-cpu-tiny geometry).
+Part 2 reads the engine's step trace: run with MINIVLLM_STEP_TRACE=FILE. Dummy Qwen3-0.6B
+weights unless --model DIR (on the CPU, the qwen3-cpu-tiny geometry).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from minivllm import envs
 from minivllm.frontend.bench.common import add_model_args, model_dir
 from minivllm.frontend.bench.structured import SCHEMA
 
@@ -49,7 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-new-schemas", type=int, default=16)
-    p.add_argument("--trace", default=None, help="part 2: keep the step trace in this file")
     add_model_args(p)
     p.set_defaults(func=main)
 
@@ -59,14 +60,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         with open(os.path.join(model, "config.json")) as f:
             vocab_size = int(json.load(f)["vocab_size"])
         figures = {"step": host_work(args.tokenizer, vocab_size, args.rows, args.steps)}
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = args.trace or os.path.join(tmp, "trace.jsonl")
-            os.environ["MINIVLLM_STEP_TRACE"] = trace  # the engine-core inherits it
-            try:
-                decode_under_compiles(args, model, "dummy" if geometry else "auto")
-            finally:
-                del os.environ["MINIVLLM_STEP_TRACE"]
-            figures["stall"] = compare_steps(trace, args.num_requests)
+        trace = envs.step_trace_path()
+        if trace is None:
+            print("part 2 needs the step trace: run with MINIVLLM_STEP_TRACE=FILE")
+            return figures
+        decode_under_compiles(args, model, "dummy" if geometry else "auto")
+        figures["stall"] = compare_steps(trace, args.num_requests)
     return figures
 
 
