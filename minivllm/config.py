@@ -11,7 +11,7 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
-_EXECUTORS = ("mp", "uni")
+_EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
@@ -89,7 +89,17 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
-    distributed_executor_backend: str  # "mp": worker processes; "uni": in-process (tests)
+    # "mp": worker processes; "uni": in-process (tests); "ray": workers as Ray actors
+    distributed_executor_backend: str
+    data_parallel_size: int = 1  # engine-cores, each with its own scheduler, KV cache and TP group
+    data_parallel_rank: int = 0  # which of them this config starts
+    # CUDA_VISIBLE_DEVICES of this engine-core's workers (a data-parallel slice); None: inherit
+    visible_devices: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes over all engine-cores."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,23 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _check_gpu_sharing(tp: int, dp: int, gpu_memory_utilization: float) -> None:
+    """Engine-cores beyond one per GPU share GPUs: each then takes its own fraction of a
+    device's memory, and those fractions must fit in one."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if tp > count:
+        raise ValueError(f"tensor_parallel_size ({tp}) is larger than the {count} visible GPU(s)")
+    per_gpu = -(-tp * dp // count)
+    if per_gpu > 1 and gpu_memory_utilization * per_gpu > 1.0 + 1e-9:
+        raise ValueError(
+            f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) puts {per_gpu} engine-cores "
+            f"on each of the {count} GPU(s): gpu_memory_utilization is each one's share of a "
+            f"GPU and must be <= {1 / per_gpu:.3f}, got {gpu_memory_utilization}"
+        )
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine, with vLLM's argument names and defaults."""
@@ -154,6 +181,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     load_format: str = "auto"
     device: str = "auto"
     skip_tokenizer_init: bool = False
@@ -192,7 +220,7 @@ class EngineArgs:
             )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -211,6 +239,11 @@ class EngineArgs:
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.data_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                "data_parallel_size > 1 runs one engine-core process per rank: "
+                "distributed_executor_backend must be 'mp' or 'ray', not 'uni'"
+            )
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
@@ -273,6 +306,8 @@ class EngineArgs:
                 f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
                 "one another"
             )
+        if device == "cuda" and self.distributed_executor_backend != "ray":
+            _check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
             kv_bytes = _CPU_KV_CACHE_BYTES
@@ -297,6 +332,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=tp,
                 distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
             ),
             device=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
         )

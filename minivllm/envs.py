@@ -21,6 +21,7 @@ the variable.
 | MINIVLLM_DISABLE_SYMM_ALL_REDUCE | 0       | `1`: every tensor-parallel all-reduce goes to NCCL |
 | MINIVLLM_API_KEY                 | unset   | the server's default `--api-key`                   |
 | MINIVLLM_LOG_STATS_INTERVAL      | 10      | seconds between the server's stats log lines       |
+| MINIVLLM_RAY_PLACEMENT_TIMEOUT   | 120     | seconds the Ray cluster may take to place an engine-core's workers |
 | MINIVLLM_GRAMMAR_CACHE_MB        | 512     | compiled structured-output grammars the engine-core keeps, in MB |
 | MINIVLLM_GRAMMAR_COMPILE_TIMEOUT | 60      | seconds a grammar may compile before its request fails |
 """
@@ -90,6 +91,10 @@ def api_key() -> str | None:
 
 def log_stats_interval_s() -> float:
     return _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)
+
+
+def ray_placement_timeout_s() -> float:
+    return _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)
 
 
 def grammar_cache_bytes() -> int:

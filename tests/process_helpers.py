@@ -47,3 +47,37 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def stream_until_killed(llm, kill, num_streams: int = 8, max_tokens: int = 3000):
+    """Start `num_streams` greedy streams on an `AsyncLLM`, call `kill()` once one streams,
+    and return what each caller ended with (None, or the exception it got) and how long
+    after the kill the last one ended."""
+    import asyncio
+
+    import uvloop
+
+    from minivllm import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def stream(i: int, started: asyncio.Event) -> BaseException | None:
+        try:
+            async for _ in llm.generate([1, 2, 3, i + 4], params, request_id=f"r{i}"):
+                started.set()
+        except BaseException as e:  # noqa: BLE001 - the test inspects what each caller got
+            return e
+        return None
+
+    async def main():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(stream(i, started)) for i in range(num_streams)]
+        await asyncio.wait_for(started.wait(), 60)
+        killed_at = time.monotonic()
+        kill()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return results, time.monotonic() - killed_at
+
+    return uvloop.run(main())

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 def _executor_class(config: EngineConfig) -> type[Executor]:
     if config.parallel.distributed_executor_backend == "mp":
         return MultiprocExecutor
+    if config.parallel.distributed_executor_backend == "ray":
+        from minivllm.engine_core.ray_executor import RayExecutor  # Ray is an optional extra
+
+        return RayExecutor
     if config.parallel.tensor_parallel_size != 1:
         raise ValueError(
             "distributed_executor_backend='uni' runs one in-process worker: "

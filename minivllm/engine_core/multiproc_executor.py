@@ -48,19 +48,23 @@ class StepFuture:
 
 
 class MultiprocExecutor(Executor):
+    """Workers as child processes of the engine-core, steps over ipc sockets. Subclasses
+    place the workers elsewhere (`RayExecutor`) through the three `_*_workers` hooks and
+    `_address`; the start-up talk, the steps and the dead-rank handling stay the same."""
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        from minivllm.worker.worker_process import run_worker
-
         tp = config.parallel.tensor_parallel_size
         # inherited by the workers, read when their torch loads OpenMP: idle threads must not
         # spin-wait, or on a small CPU machine they starve the frontend and the engine-core
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if config.parallel.visible_devices is not None:  # this data-parallel rank's GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = config.parallel.visible_devices
         self.ipc_dir = private_ipc_dir("workers")
         self.ctx = zmq.Context()
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
         self.results, result_addr = transport.bind_socket(
-            self.ctx, zmq.PULL, transport.ipc_address(self.ipc_dir, "results")
+            self.ctx, zmq.PULL, self._address("results")
         )
         self.step_socks = []
         self.procs = []
@@ -68,28 +72,56 @@ class MultiprocExecutor(Executor):
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._dead: str | None = None
         try:
+            step_addrs = []
             for rank in range(tp):
                 sock, addr = transport.bind_socket(
-                    self.ctx, zmq.PUSH, transport.ipc_address(self.ipc_dir, f"steps-{rank}")
+                    self.ctx, zmq.PUSH, self._address(f"steps-{rank}")
                 )
                 self.step_socks.append(sock)
-                proc, ready, death = spawn(
-                    run_worker,
-                    dict(config=config, rank=rank, step_address=addr, result_address=result_addr),
-                    name=f"worker-rank{rank}",
-                )
-                ready.close()
-                self.procs.append(proc)
-                self.death_pipes.append(death)
+                step_addrs.append(addr)
+            self._start_workers(step_addrs, result_addr)
             self.num_blocks = self._startup()
         except BaseException:
             self.shutdown()
             raise
 
+    def _address(self, name: str) -> str:
+        return transport.ipc_address(self.ipc_dir, name)
+
+    def _start_workers(self, step_addrs: list[str], result_addr: str) -> None:
+        from minivllm.worker.worker_process import run_worker
+
+        for rank, addr in enumerate(step_addrs):
+            proc, ready, death = spawn(
+                run_worker,
+                dict(config=self.config, rank=rank, step_address=addr, result_address=result_addr),
+                name=f"worker-rank{rank}",
+            )
+            ready.close()
+            self.procs.append(proc)
+            self.death_pipes.append(death)
+
+    def _dead_worker(self) -> str | None:
+        """How the first dead worker ended, or None while all live."""
+        for p in self.procs:
+            if not p.is_alive():
+                return describe_exit(p)
+        return None
+
+    def _stop_workers(self, graceful: bool) -> None:
+        """End every worker: after a `ShutdownWorker` (graceful) they get 2 s to leave."""
+        if graceful:
+            deadline = time.monotonic() + 2.0
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        terminate([p for p in self.procs if p.is_alive()], timeout=5.0)
+        for pipe in self.death_pipes:
+            pipe.close()
+
     # ------------------------------------------------------------------ startup
 
     def _startup(self) -> int:
-        tp = len(self.procs)
+        tp = self.config.parallel.tensor_parallel_size
         self._startup_timeout_s = envs.startup_timeout_s()
         deadline = time.monotonic() + self._startup_timeout_s
         blocks: dict[int, int] = {}
@@ -105,7 +137,7 @@ class MultiprocExecutor(Executor):
         ready = 0
         while ready < tp:
             ready += isinstance(self._recv_startup(deadline), WorkerReady)
-        logger.info("%d worker process(es) ready: pids %s", tp, [p.pid for p in self.procs])
+        logger.info("%d worker process(es) ready", tp)
         return num_blocks
 
     def _recv_startup(self, deadline: float) -> Rendezvous | WorkerLoaded | WorkerReady:
@@ -167,12 +199,6 @@ class MultiprocExecutor(Executor):
             logger.warning("dropped an undecodable message from a worker: %s", e)
             return None
 
-    def _dead_worker(self) -> str | None:
-        for p in self.procs:
-            if not p.is_alive():
-                return describe_exit(p)
-        return None
-
     def check_health(self) -> None:
         if self._dead is None:
             dead = self._dead_worker()
@@ -200,15 +226,11 @@ class MultiprocExecutor(Executor):
         if getattr(self, "_shut", False):
             return
         self._shut = True
-        if self._dead is None and self.step_socks:
+        graceful = self._dead is None and bool(self.step_socks)
+        if graceful:
             with contextlib.suppress(zmq.ZMQError):
                 self._broadcast(ShutdownWorker())
-            deadline = time.monotonic() + 2.0
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        terminate([p for p in self.procs if p.is_alive()], timeout=5.0)
-        for pipe in self.death_pipes:
-            pipe.close()
+        self._stop_workers(graceful)
         for sock in [*self.step_socks, self.results]:
             transport.close_socket(sock, linger=0)
         self.ctx.term()

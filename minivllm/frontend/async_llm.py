@@ -11,7 +11,8 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
-from minivllm.exceptions import EngineDeadError
+from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
+from minivllm.frontend.dp_client import DPAsyncClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
@@ -25,13 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """Spawns its own engine-core (`from_engine_args`) or attaches to a daemon (`connect`).
-    With `stat_loggers`, request timings and scheduler stats are fed to them (metrics/)."""
+    """Spawns its own engine-core(s) (`from_engine_args`; `data_parallel_size` of them) or
+    attaches to one or several daemons (`connect`). With `stat_loggers`, request timings and
+    scheduler stats are fed to them (metrics/)."""
 
     def __init__(
         self,
         model_config: ModelConfig,
-        client: AsyncMPClient,
+        client: AsyncMPClient | DPAsyncClient,
         stat_loggers: list[StatLogger] | None = None,
     ) -> None:
         self.model_config = model_config
@@ -55,12 +57,15 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        return cls(config.model, AsyncMPClient(config), stat_loggers)
+        return cls(config.model, make_async_client(config), stat_loggers)
 
     @classmethod
-    def connect(cls, address: str, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
-        """Attach to a running `minivllm engine-core` daemon at `address`."""
-        client = AsyncMPClient.connect(address)
+    def connect(
+        cls, address: str | list[str], stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
+        """Attach to a running `minivllm engine-core` daemon at `address`, or to several
+        (a list: one serving frontend over all, requests routed as with data parallelism)."""
+        client = attach_async_client(address)
         return cls(client.engine_config().model, client, stat_loggers)
 
     @property
@@ -88,8 +93,7 @@ class AsyncLLM:
             self.stats.add_requests(requests)
         finished = False
         try:
-            for request in requests:
-                await self.client.add_request_async(request)
+            await self.client.add_requests_async(requests)
             while not finished:
                 out = queue.get_nowait()
                 if out is None:
@@ -129,7 +133,14 @@ class AsyncLLM:
         the requests they belong to, errors are raised into them here."""
         try:
             while True:
-                outputs = await self.client.get_output_async()
+                try:
+                    outputs = await self.client.get_output_async()
+                except EngineCoreDeadError as e:  # one of several cores: its requests only
+                    for request_id in self.output_processor.forget_lost(e.request_ids):
+                        queue = self._queues.get(request_id)
+                        if queue is not None:
+                            queue.put(e)
+                    continue
                 processed = self.output_processor.process_outputs(outputs.outputs)
                 if self.stats is not None:
                     self.stats.record(outputs, processed.reqs_to_abort)
@@ -175,6 +186,21 @@ class AsyncLLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.client.shutdown()
+
+
+def make_async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncClient:
+    """Spawn the engine-core(s) of `config`: one, or `data_parallel_size` behind a router."""
+    if config.parallel.data_parallel_size > 1:
+        return DPAsyncClient(config)
+    return AsyncMPClient(config)
+
+
+def attach_async_client(address: str | list[str]) -> AsyncMPClient | DPAsyncClient:
+    """Attach to one daemon, or route over several."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if len(addresses) == 1:
+        return AsyncMPClient.connect(addresses[0])
+    return DPAsyncClient.connect(addresses)
 
 
 def _log_failure(task: asyncio.Future) -> None:

@@ -72,6 +72,11 @@ def _run_engine_core(args: argparse.Namespace) -> None:
         config = engine_args_from(args).create_engine_config()
     except ValueError as e:
         raise SystemExit(f"minivllm engine-core: {e}") from None
+    if config.parallel.data_parallel_size > 1:
+        raise SystemExit(
+            "minivllm engine-core: a daemon is one engine-core; for data parallelism start one "
+            "per rank and attach with AsyncLLM.connect([ADDRESS, ...]) or serve --connect A,B"
+        )
     input_address, output_address, ipc_dir = daemon_addresses(args.address)
     print(f"engine-core address: {input_address}", flush=True)
     try:

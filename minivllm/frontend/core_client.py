@@ -18,6 +18,12 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """The n > 1 children of one user request (a data-parallel client keeps them on
+        one core)."""
+        for request in requests:
+            self.add_request(request)
+
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
 

@@ -29,9 +29,10 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def connect(cls, address: str) -> LLM:
-        """Attach to a running `minivllm engine-core` daemon instead of starting an engine;
-        `shutdown()` then detaches and leaves the daemon running."""
+    def connect(cls, address: str | list[str]) -> LLM:
+        """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
+        routed over all) instead of starting an engine; `shutdown()` then detaches and
+        leaves the daemons running."""
         llm = cls.__new__(cls)
         llm.engine_args = None
         llm.llm_engine = LLMEngine.connect(address)

@@ -7,7 +7,9 @@ import time
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig
+from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
+from minivllm.frontend.dp_client import DPSyncClient
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
@@ -29,6 +31,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if client is None and config.parallel.distributed_executor_backend == "uni":
             client = InprocClient(config)
+        if client is None and config.parallel.data_parallel_size > 1:
+            client = DPSyncClient(config)
         self.engine_core = client or SyncMPClient(config)
         # the start-up heap never needs scanning again: full collections over it cost
         # ~100 ms each in a long generate loop
@@ -40,9 +44,14 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     @classmethod
-    def connect(cls, address: str) -> LLMEngine:
-        """Attach to a running `minivllm engine-core` daemon at `address`."""
-        client = SyncMPClient.connect(address)
+    def connect(cls, address: str | list[str]) -> LLMEngine:
+        """Attach to a running `minivllm engine-core` daemon at `address`, or to several
+        (a list: requests routed over them as with data parallelism)."""
+        addresses = [address] if isinstance(address, str) else list(address)
+        if len(addresses) == 1:
+            client: SyncMPClient | DPSyncClient = SyncMPClient.connect(addresses[0])
+        else:
+            client = DPSyncClient.connect(addresses)
         return cls(client.engine_config(), client=client)
 
     def add_request(
@@ -56,14 +65,19 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         arrival_time = time.time() if arrival_time is None else arrival_time
-        for req in self.output_processor.add_user_request(
+        requests = self.output_processor.add_user_request(
             request_id, prompt, params, self.input_processor, arrival_time
-        ):
-            self.engine_core.add_request(req)
+        )
+        self.engine_core.add_requests(requests)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, and return what changed."""
-        outputs = self.engine_core.get_output()
+        try:
+            outputs = self.engine_core.get_output()
+        except EngineCoreDeadError as e:
+            # one of several cores died: its requests end here, the others' steps go on
+            self.output_processor.forget_lost(e.request_ids)
+            raise
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -18,6 +18,9 @@ import secrets
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 import msgspec
@@ -52,10 +55,46 @@ _POLL_MS = 100
 T = TypeVar("T")
 
 
+@dataclass
+class EngineCoreLaunch:
+    """A spawned engine-core that may still be starting. Spawn from the main thread: a
+    child's parent-death signal fires when the *thread* that spawned it ends."""
+
+    proc: BaseProcess
+    ready: Connection
+    death_pipe: Connection
+    ipc_dir: str
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> EngineCoreLaunch:
+        from minivllm.engine_core.core_process import run_engine_core
+
+        ipc_dir = private_ipc_dir("client")
+        proc, ready, death = spawn(
+            run_engine_core,
+            dict(
+                config=config,
+                input_address=transport.ipc_address(ipc_dir, "input"),
+                output_address=transport.ipc_address(ipc_dir, "output"),
+            ),
+            name="engine-core",
+        )
+        return cls(proc, ready, death, ipc_dir)
+
+    def cancel(self) -> None:
+        """Stop an engine-core that no client took over."""
+        terminate([self.proc], timeout=10.0)
+        self.ready.close()
+        self.death_pipe.close()
+        transport.cleanup_ipc(self.ipc_dir)
+
+
 class _MPClient:
     """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
 
-    def __init__(self, config: EngineConfig | None, address: str | None) -> None:
+    def __init__(self, config: EngineConfig | None, address: str | EngineCoreLaunch | None) -> None:
+        """`address`: a daemon's to attach to, or an engine-core launched for this client;
+        None spawns one for `config`."""
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
         self.proc = None
         self.death_pipe = None
@@ -69,27 +108,19 @@ class _MPClient:
         try:
             if address is None:
                 assert config is not None
-                address = self._spawn_core(config)
+                address = EngineCoreLaunch.start(config)
+            if isinstance(address, EngineCoreLaunch):
+                address = self._await_core(address)
             self.info = self._attach(address)
         except BaseException:
             self._close()
             raise
         self.last_heard = time.monotonic()
 
-    def _spawn_core(self, config: EngineConfig) -> str:
-        from minivllm.engine_core.core_process import run_engine_core
-
-        self.ipc_dir = private_ipc_dir("client")
-        proc, ready, death = spawn(
-            run_engine_core,
-            dict(
-                config=config,
-                input_address=transport.ipc_address(self.ipc_dir, "input"),
-                output_address=transport.ipc_address(self.ipc_dir, "output"),
-            ),
-            name="engine-core",
-        )
-        self.proc, self.death_pipe = proc, death
+    def _await_core(self, launch: EngineCoreLaunch) -> str:
+        """Own the launched engine-core and wait until it listens; its input address."""
+        proc, ready = launch.proc, launch.ready
+        self.proc, self.death_pipe, self.ipc_dir = proc, launch.death_pipe, launch.ipc_dir
         timeout_s = envs.startup_timeout_s()
         deadline = time.monotonic() + timeout_s
         while not ready.poll(0.2):
@@ -192,7 +223,9 @@ class _MPClient:
 class SyncMPClient(_MPClient, EngineCoreClient):
     """Blocking client; a small thread keeps the heartbeat going while the caller computes."""
 
-    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, address: str | EngineCoreLaunch | None = None
+    ) -> None:
         super().__init__(config, address)
         self._send_lock = threading.Lock()
         self._pending: deque[EngineCoreOutputs] = deque()
@@ -225,11 +258,21 @@ class SyncMPClient(_MPClient, EngineCoreClient):
         if request_ids and self.dead_reason is None:
             self._send(Abort(request_ids))
 
+    def _check_alive(self) -> None:
+        # a caller that has not read for a while (idle between two generate calls) has the
+        # engine's heartbeats waiting in the socket: they are its signs of life
+        if self.dead_reason is None and time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+            while (frames := transport.recv_msg(self.output_sock, timeout_ms=0)) is not None:
+                self._take(frames)
+        super()._check_alive()
+
     def _recv_one(self) -> None:
         frames = transport.recv_msg(self.output_sock, timeout_ms=_POLL_MS)
-        if frames is None:
-            self._check_alive()
-            return
+        if frames is not None:
+            self._take(frames)
+        self._check_alive()
+
+    def _take(self, frames) -> None:
         msg = self._decode_output(frames)
         if msg is None:
             return
@@ -237,7 +280,6 @@ class SyncMPClient(_MPClient, EngineCoreClient):
             self._utility[msg.utility_result.call_id] = msg.utility_result
         if msg.outputs:
             self._pending.append(msg)
-        self._check_alive()
 
     def get_output(self) -> EngineCoreOutputs:
         while not self._pending:
@@ -266,7 +308,9 @@ class SyncMPClient(_MPClient, EngineCoreClient):
 class AsyncMPClient(_MPClient):
     """asyncio client (works under uvloop). Outputs are read by a task started on first use."""
 
-    def __init__(self, config: EngineConfig | None = None, address: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, address: str | EngineCoreLaunch | None = None
+    ) -> None:
         super().__init__(config, address)
         # the handshake used the plain sockets; from here on the event loop owns them
         self.input_async = zmq.asyncio.Socket.from_socket(self.input_sock)
@@ -330,6 +374,12 @@ class AsyncMPClient(_MPClient):
         self._ensure_started()
         self._check_alive()
         await self._send(request)
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """The n > 1 children of one user request (a data-parallel client keeps them on
+        one core)."""
+        for request in requests:
+            await self.add_request_async(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None and not self._closed:

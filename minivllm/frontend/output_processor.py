@@ -320,6 +320,14 @@ class OutputProcessor:
                 internal_ids.append(internal_id)
         return internal_ids
 
+    def forget_lost(self, internal_ids: list[str]) -> list[str]:
+        """Forget the user requests these internal ids belong to (an engine-core that held
+        them died); return those user ids."""
+        states = self.request_states
+        users = list(dict.fromkeys(states[r].user_request_id for r in internal_ids if r in states))
+        self.abort_user_requests(users)
+        return users
+
     def get_internal_ids(self, user_request_id: str) -> list[str]:
         """The unfinished engine-core ids of a user request."""
         return list(self.user_requests.get(user_request_id, []))

@@ -37,14 +37,16 @@ def profiled_num_blocks(
     shape: KVCacheShape, device: torch.device, gpu_memory_utilization: float, reserve_share: float
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after a profile run (the
-    caller's, right before: its peak is the weights plus the largest step's activations),
-    what other processes use, and `reserve_share` of the device kept for CUDA graphs."""
+    caller's, right before: its peak is the weights plus the largest step's activations)
+    and `reserve_share` of the device kept for CUDA graphs. The utilization is this
+    engine's share of the device (engine-cores that share a GPU each take their own
+    fraction); what other processes use only caps it."""
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     reserve = reserve_share * total
-    budget = total * gpu_memory_utilization - peak - used_by_others - reserve
+    budget = min(total * gpu_memory_utilization, total - used_by_others) - peak - reserve
     num = int(budget // shape.block_bytes)
     if num <= 0:
         raise RuntimeError(

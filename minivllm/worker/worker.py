@@ -35,8 +35,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-            # one rank per core at most; the frontend and engine-core need some too
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+            # one rank per core at most (over every data-parallel engine-core); the frontend
+            # and engine-cores need some too
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
         # the largest decode message: one hidden-state row per sequence
         row_bytes = cfg.model.hf_config["hidden_size"] * getattr(torch, cfg.model.dtype).itemsize
         self.tp = init_tp_group(

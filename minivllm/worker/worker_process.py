@@ -54,10 +54,23 @@ def run_worker(
 ) -> None:
     die_with_parent(death_pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
-    # the main thread and the sender thread hand the GIL back and forth every step
-    sys.setswitchinterval(0.0005)
     logging.basicConfig(level=envs.log_level())
     ready_pipe.close()
+    serve(config, rank, step_address, result_address)
+
+
+def serve(
+    config: EngineConfig,
+    rank: int,
+    step_address: str,
+    result_address: str,
+    store_host: str = "127.0.0.1",
+) -> None:
+    """The worker loop, in whatever process hosts it (a spawned child, a Ray actor); returns
+    after a `ShutdownWorker`, ends the process after a failure. Rank 0 hosts the TP
+    rendezvous store on `store_host`, an address the other ranks reach."""
+    # the main thread and the sender thread hand the GIL back and forth every step
+    sys.setswitchinterval(0.0005)
     ctx = zmq.Context()
     steps = transport.connect_socket(ctx, zmq.PULL, step_address)
     # `results` has a context of its own, so a failing worker can wait for its error to
@@ -96,7 +109,7 @@ def run_worker(
     try:
         store = None
         if config.parallel.tensor_parallel_size > 1:
-            store = _rendezvous(rank, send, recv)
+            store = _rendezvous(rank, send, recv, store_host)
         from minivllm.worker.worker import Worker
 
         worker = Worker(config, rank=rank, dist_store=store)
@@ -155,13 +168,13 @@ def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:
         transport.send_msg(results, encoder.encode(msg))
 
 
-def _rendezvous(rank: int, send, recv):
+def _rendezvous(rank: int, send, recv, host: str):
     """TP rendezvous with no probe-then-bind race: rank 0 binds port 0 and shares the result."""
     import torch.distributed as dist
 
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        send(Rendezvous("127.0.0.1", store.port))
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        send(Rendezvous(host, store.port))
         return store
     msg = recv()
     if not isinstance(msg, Rendezvous):

@@ -3,7 +3,6 @@ is left behind, and nothing sent to a socket is ever executed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import pickle
@@ -19,7 +18,7 @@ import uvloop
 import zmq
 
 from minivllm import AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
-from tests.process_helpers import python_env, spawned_children, wait_gone
+from tests.process_helpers import python_env, spawned_children, stream_until_killed, wait_gone
 from tests.tiny_models import build_null_checkpoint
 
 
@@ -37,33 +36,14 @@ def _params(max_tokens: int) -> SamplingParams:
     )
 
 
-async def _stream(llm: AsyncLLM, i: int, started: asyncio.Event) -> BaseException | None:
-    try:
-        async for _ in llm.generate([1, 2, 3, i + 4], _params(3000), request_id=f"r{i}"):
-            started.set()
-    except BaseException as e:  # noqa: BLE001 - the test inspects what each caller got
-        return e
-    return None
-
-
 def _run_and_kill(model_dir: str, kill) -> tuple[list, float, list[int]]:
     """Start 8 streams, then `kill(core_pid, worker_pid)`; return what each caller got, how
     long the last one waited after the kill, and the engine's pids."""
     llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir))
     core = spawned_children(os.getpid())[-1]
     worker = spawned_children(core)[0]
-
-    async def main():
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(_stream(llm, i, started)) for i in range(8)]
-        await asyncio.wait_for(started.wait(), 30)
-        killed_at = time.monotonic()
-        kill(core, worker)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        return results, time.monotonic() - killed_at
-
     try:
-        results, waited = uvloop.run(main())
+        results, waited = stream_until_killed(llm, lambda: kill(core, worker))
     finally:
         llm.shutdown()
     return results, waited, [core, worker]

@@ -111,6 +111,8 @@ async def run_async(
         elapsed = time.perf_counter() - start
         _stop_py_spy(spies)
         steps = (await llm.get_stats())["step_counter"] - before
+        if engine_args.data_parallel_size > 1:  # steps are summed over the engine-cores
+            print(f"Routing balance (per engine-core): {llm.client.balance()}")
     finally:
         llm.shutdown()
     short = {i: t for i, (t, _) in enumerate(counts) if t != output_len}

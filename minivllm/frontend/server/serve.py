@@ -36,7 +36,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="names the model answers to; the first is reported (default: the model path)",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
-    p.add_argument("--connect", default=None, metavar="ADDRESS", help="attach to a daemon")
+    p.add_argument(
+        "--connect",
+        default=None,
+        metavar="ADDRESS[,ADDRESS...]",
+        help="attach to a daemon (several: requests routed over them)",
+    )
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info")
@@ -54,16 +59,15 @@ def _chat_template(value: str | None) -> str | None:
 
 def build_state(args: argparse.Namespace):
     """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
-    from minivllm.frontend.async_llm import AsyncLLM
+    from minivllm.frontend.async_llm import AsyncLLM, attach_async_client, make_async_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
     from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
-    from minivllm.frontend.mp_client import AsyncMPClient
     from minivllm.frontend.server.app import ServerState
 
     if args.connect:
         import torch
 
-        client = AsyncMPClient.connect(args.connect)
+        client = attach_async_client(args.connect.split(","))
         model_config = client.engine_config().model
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
@@ -77,7 +81,7 @@ def build_state(args: argparse.Namespace):
         except ValueError as e:
             raise SystemExit(f"minivllm serve: {e}") from None
         model_config, device = config.model, config.device.device
-        client = AsyncMPClient(config)
+        client = make_async_client(config)
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:

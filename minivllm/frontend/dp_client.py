@@ -1,0 +1,405 @@
+"""Several engine-cores behind one frontend (data parallelism): one client per core, each
+request routed by `DPRouter`, every core's outputs merged into one stream.
+
+A core that dies fails only the requests it held, with `EngineCoreDeadError` (raised once,
+from `get_output`, naming them); the frontend stops routing to it and keeps serving with
+the rest. Only when every core is dead does the client report a dead engine, as a single
+engine-core client does. `check_health` raises while any core is dead, naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from minivllm.config import EngineConfig
+from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
+from minivllm.frontend.core_client import EngineCoreClient
+from minivllm.frontend.dp_placement import engine_configs
+from minivllm.frontend.dp_router import DPRouter
+from minivllm.frontend.mp_client import (
+    _POLL_MS,
+    AsyncMPClient,
+    EngineCoreLaunch,
+    SyncMPClient,
+    _MPClient,
+)
+from minivllm.protocol.messages import (
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    UtilityMethod,
+)
+
+DEFAULT_BLOCK_SIZE = 16  # prefix affinity's block when attached to daemons of unknown size
+
+
+def _spawn_all(client_class, config: EngineConfig) -> list[Any]:
+    """Spawn every rank's engine-core at once (their start-ups overlap), then attach a
+    client to each in turn; if any fails, stop them all and raise, naming the rank."""
+    launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
+    clients: list[Any] = []
+    try:
+        for i, launch in enumerate(launches):
+            try:
+                clients.append(client_class(address=launch))
+            except EngineStartupError as e:
+                raise EngineStartupError(f"engine-core {i} of {len(launches)}: {e}") from e
+    except BaseException:
+        for c in clients:
+            c.shutdown()
+        for launch in launches[len(clients) + 1 :]:
+            launch.cancel()
+        raise
+    return clients
+
+
+def _connect_all(client_class, addresses: list[str]) -> list[Any]:
+    """Attach a client to each daemon; all must serve the same model."""
+    clients: list[Any] = []
+    try:
+        for address in addresses:
+            clients.append(client_class.connect(address))
+        _check_same_model([c.info for c in clients], addresses)
+    except BaseException:
+        for c in clients:
+            c.shutdown()
+        raise
+    return clients
+
+
+def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None:
+    first = infos[0]
+    for info, address in zip(infos[1:], addresses[1:], strict=True):
+        if (info.model, info.tokenizer, info.max_model_len) != (
+            first.model,
+            first.tokenizer,
+            first.max_model_len,
+        ):
+            raise EngineStartupError(
+                f"the engine-cores at {addresses[0]} and {address} serve different models "
+                f"({first.model!r}, {first.max_model_len} tokens vs {info.model!r}, "
+                f"{info.max_model_len} tokens)"
+            )
+
+
+def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
+    up (so their deltas stay right), the KV cache usage is the mean."""
+    merged = {k: sum(getattr(s, k) for s in stats) for k in SchedulerStats.__struct_fields__}
+    merged["kv_cache_usage"] /= len(stats)
+    return SchedulerStats(**merged)
+
+
+class _DPClient:
+    """What the sync and async data-parallel clients share: the router and the bookkeeping
+    of outputs and deaths."""
+
+    clients: list[_MPClient]
+
+    def __init__(self, clients: list[_MPClient], block_size: int, addresses: list[str]) -> None:
+        self.clients = clients
+        self.addresses = addresses
+        self.router = DPRouter(len(clients), block_size)
+        self.output_tokens = [0] * len(clients)
+        self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
+
+    def engine_config(self) -> EngineConfig:
+        """The config to work with when attached to daemons (they serve the same model)."""
+        return self.clients[0].engine_config()
+
+    def _account(self, engine: int, out: EngineCoreOutputs) -> None:
+        """Learn from one output batch of `engine` before it is handed on, its scheduler
+        stats replaced by the whole engine's (every live core's latest, merged), so that
+        metrics read one engine however many cores serve."""
+        if out.scheduler_stats is not None:
+            self.router.update_stats(engine, out.scheduler_stats)
+            self.latest_stats[engine] = out.scheduler_stats
+            out.scheduler_stats = merge_scheduler_stats(
+                [
+                    s
+                    for e, s in enumerate(self.latest_stats)
+                    if s is not None and e not in self.router.dead
+                ]
+            )
+        for o in out.outputs:
+            self.output_tokens[engine] += len(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.router.finished(o.request_id)
+
+    def _died(self, engine: int, error: BaseException) -> EngineDeadError | None:
+        """Stop routing to `engine`: the error its requests get (None if already known)."""
+        if engine in self.router.dead:
+            return None
+        lost = self.router.mark_dead(engine, str(error))
+        alive = len(self.router.alive())
+        if not alive:
+            return EngineDeadError(f"every engine-core is dead; the last: {error}")
+        return EngineCoreDeadError(
+            f"engine-core {engine} of {len(self.clients)} died ({alive} still serving): {error}",
+            engine,
+            lost,
+        )
+
+    def _choose(self, requests: list[EngineCoreRequest]) -> int:
+        try:
+            engine = self.router.choose(requests[0].prompt_token_ids)
+        except LookupError:
+            raise EngineDeadError(
+                f"the engine is dead: every engine-core died: {self.router.dead}"
+            ) from None
+        self.router.assign([r.request_id for r in requests], requests[0].prompt_token_ids, engine)
+        return engine
+
+    def _unassign(self, requests: list[EngineCoreRequest]) -> None:
+        for r in requests:
+            self.router.finished(r.request_id)
+
+    def health_error(self) -> EngineDeadError | None:
+        """An error naming every dead core, or None while all live."""
+        dead = self.router.dead
+        if not dead:
+            return None
+        named = "; ".join(
+            f"engine-core {e} ({self.addresses[e]}): {why}" for e, why in dead.items()
+        )
+        return EngineDeadError(
+            f"{len(dead)} of {len(self.clients)} engine-cores dead, "
+            f"{len(self.clients) - len(dead)} serving: {named}"
+        )
+
+    def balance(self) -> list[dict[str, Any]]:
+        """Per core: requests routed to it, output tokens it produced, and whether it lives."""
+        return [
+            {
+                "requests": self.router.routed[e],
+                "output_tokens": self.output_tokens[e],
+                "alive": e not in self.router.dead,
+            }
+            for e in range(len(self.clients))
+        ]
+
+    def shutdown(self) -> None:
+        for c in self.clients:
+            with contextlib.suppress(Exception):
+                c.shutdown()
+
+
+class DPSyncClient(_DPClient, EngineCoreClient):
+    """Blocking data-parallel client (`LLM`, `LLMEngine`)."""
+
+    clients: list[SyncMPClient]
+
+    def __init__(self, config: EngineConfig) -> None:
+        clients = _spawn_all(SyncMPClient, config)
+        super().__init__(clients, config.cache.block_size, [c.info.input_address for c in clients])
+        self._deaths: deque[EngineDeadError] = deque()
+
+    @classmethod
+    def connect(cls, addresses: list[str]) -> DPSyncClient:
+        self = cls.__new__(cls)
+        clients = _connect_all(SyncMPClient, addresses)
+        _DPClient.__init__(self, clients, DEFAULT_BLOCK_SIZE, list(addresses))
+        self._deaths = deque()
+        return self
+
+    def _on_death(self, engine: int, error: BaseException) -> None:
+        err = self._died(engine, error)
+        if err is not None:
+            self._deaths.append(err)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        while True:
+            engine = self._choose(requests)
+            try:
+                self.clients[engine].add_request(requests[0])
+            except EngineDeadError as e:  # nothing sent: try another core
+                self._unassign(requests)
+                self._on_death(engine, e)
+                continue
+            for r in requests[1:]:
+                self.clients[engine].add_request(r)
+            return
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for engine, ids in self.router.by_engine(request_ids).items():
+            for r in ids:
+                self.router.finished(r)
+            if engine not in self.router.dead:
+                self.clients[engine].abort_requests(ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        poller = zmq.Poller()
+        while True:
+            alive = self.router.alive()
+            for e in alive:
+                pending = self.clients[e]._pending
+                if pending:
+                    out = pending.popleft()
+                    self._account(e, out)
+                    return out
+            if self._deaths:
+                err = self._deaths.popleft()
+                if not isinstance(err, EngineCoreDeadError):
+                    self._deaths.appendleft(err)  # every later caller learns it too
+                raise err
+            for e in alive:
+                poller.register(self.clients[e].output_sock, zmq.POLLIN)
+            ready = dict(poller.poll(_POLL_MS))
+            for e in alive:
+                client = self.clients[e]
+                poller.unregister(client.output_sock)
+                try:
+                    if client.output_sock in ready:
+                        client._recv_one()
+                    else:
+                        client._check_alive()
+                except EngineDeadError as err:
+                    self._on_death(e, err)
+
+    def call_utility(self, method: UtilityMethod) -> Any:
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
+        results = []
+        for e in self.router.alive():
+            try:
+                results.append(self.clients[e].call_utility(method))
+            except EngineDeadError as err:
+                self._on_death(e, err)
+                if method == UtilityMethod.HEALTH:
+                    raise self.health_error() from err
+        return _combine(method, results)
+
+
+class DPAsyncClient(_DPClient):
+    """asyncio data-parallel client (`AsyncLLM`): a task per core moves its outputs into
+    one queue."""
+
+    clients: list[AsyncMPClient]
+
+    def __init__(self, config: EngineConfig) -> None:
+        clients = _spawn_all(AsyncMPClient, config)
+        super().__init__(clients, config.cache.block_size, [c.info.input_address for c in clients])
+        self._init_async()
+
+    @classmethod
+    def connect(cls, addresses: list[str]) -> DPAsyncClient:
+        self = cls.__new__(cls)
+        clients = _connect_all(AsyncMPClient, addresses)
+        _DPClient.__init__(self, clients, DEFAULT_BLOCK_SIZE, list(addresses))
+        self._init_async()
+        return self
+
+    def _init_async(self) -> None:
+        self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        for task in self._tasks:  # a previous event loop's, if any
+            task.cancel()
+        self._loop = loop
+        self.outputs = asyncio.Queue()
+        self._tasks = [
+            asyncio.create_task(self._pump(e), name=f"engine-core-{e}-outputs")
+            for e in self.router.alive()
+        ]
+
+    async def _pump(self, engine: int) -> None:
+        """Move one core's outputs into the shared queue until it dies."""
+        assert self.outputs is not None
+        client = self.clients[engine]
+        try:
+            while True:
+                out = await client.get_output_async()
+                self._account(engine, out)
+                self.outputs.put_nowait(out)
+        except EngineDeadError as e:
+            self._on_death(engine, e)
+
+    def _on_death(self, engine: int, error: BaseException) -> None:
+        err = self._died(engine, error)
+        if err is not None and self.outputs is not None:
+            self.outputs.put_nowait(err)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self.add_requests_async([request])
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        self._ensure_started()
+        while True:
+            engine = self._choose(requests)
+            try:
+                await self.clients[engine].add_request_async(requests[0])
+            except EngineDeadError as e:  # nothing sent: try another core
+                self._unassign(requests)
+                self._on_death(engine, e)
+                continue
+            for r in requests[1:]:
+                await self.clients[engine].add_request_async(r)
+            return
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        for engine, ids in self.router.by_engine(request_ids).items():
+            for r in ids:
+                self.router.finished(r)
+            if engine not in self.router.dead:
+                await self.clients[engine].abort_requests_async(ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_started()
+        assert self.outputs is not None
+        msg = await self.outputs.get()
+        if isinstance(msg, EngineCoreDeadError):
+            raise msg  # once: it ends only the requests it names
+        if isinstance(msg, BaseException):
+            self.outputs.put_nowait(msg)  # every later caller learns it too
+            raise msg
+        return msg
+
+    async def call_utility_async(self, method: UtilityMethod) -> Any:
+        self._ensure_started()
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
+        alive = self.router.alive()
+        results = await asyncio.gather(
+            *(self.clients[e].call_utility_async(method) for e in alive), return_exceptions=True
+        )
+        ok = []
+        for e, result in zip(alive, results, strict=True):
+            if isinstance(result, EngineDeadError):
+                self._on_death(e, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                ok.append(result)
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
+        return _combine(method, ok)
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        super().shutdown()
+
+
+def _combine(method: UtilityMethod, results: list[Any]) -> Any:
+    """One answer from every live core's."""
+    if method == UtilityMethod.STATS:
+        if not results:
+            return {}
+        merged = merge_scheduler_stats([SchedulerStats(**r) for r in results])
+        return msgspec.structs.asdict(merged)
+    return all(results)

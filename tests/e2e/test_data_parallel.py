@@ -1,0 +1,223 @@
+"""Data parallelism: several engine-cores behind one frontend give the tokens one gives,
+share the requests, and a dead one takes only its own requests down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import uvloop
+
+from minivllm import (
+    LLM,
+    AsyncLLM,
+    EngineArgs,
+    EngineDeadError,
+    RequestOutputKind,
+    SamplingParams,
+)
+from minivllm.exceptions import EngineCoreDeadError
+from tests.hf_reference import parity_prompts
+from tests.process_helpers import spawned_children, wait_gone
+from tests.tiny_models import build_null_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def null_dir(tmp_path_factory) -> str:
+    return build_null_checkpoint(str(tmp_path_factory.mktemp("null")))
+
+
+def _engine_pids() -> list[int]:
+    cores = spawned_children(os.getpid())
+    return cores + [w for c in cores for w in spawned_children(c)]
+
+
+def test_dp2_gives_dp1_tokens_and_spreads_requests(qwen3_dir: str) -> None:
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts() + parity_prompts(seed=1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    one = LLM(qwen3_dir, dtype="float32", distributed_executor_backend="uni")  # the same core
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    finally:
+        one.shutdown()
+
+    llm = LLM(qwen3_dir, dtype="float32", data_parallel_size=2)
+    try:
+        cores = spawned_children(os.getpid())
+        assert len(cores) == 2, "one engine-core process per data-parallel rank"
+        assert all(len(spawned_children(c)) == 1 for c in cores), "each with its own worker"
+        outputs = llm.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        client = llm.llm_engine.engine_core
+        balance = client.balance()
+        assert all(b["requests"] >= 3 for b in balance), balance
+        assert sum(b["output_tokens"] for b in balance) == 8 * len(prompts)
+
+        # the n children of one request stay on one core
+        engine = llm.llm_engine
+        engine.add_request("fan", [5, 6, 7], SamplingParams(n=3, max_tokens=4, seed=1))
+        owners = {client.router.owner[r] for r in engine.output_processor.get_internal_ids("fan")}
+        assert len(owners) == 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert llm.llm_engine.get_stats()["num_running"] == 0
+    finally:
+        llm.shutdown()
+    assert wait_gone(cores, timeout=15) == []
+
+
+@pytest.mark.gpu
+def test_dp2_on_cuda_gives_dp1_tokens(qwen3_dir: str) -> None:
+    """One GPU: two engine-cores share it, each with its own 0.3 of its memory."""
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for dp in (1, 2):
+        llm = LLM(qwen3_dir, dtype="float32", data_parallel_size=dp, gpu_memory_utilization=0.3)
+        try:
+            outputs[dp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            if dp == 2:
+                balance = llm.llm_engine.engine_core.balance()
+                assert all(b["requests"] >= 3 for b in balance), balance
+        finally:
+            llm.shutdown()
+    assert outputs[2] == outputs[1]
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+
+async def _count(llm: AsyncLLM, rid: str, max_tokens: int, started: asyncio.Event):
+    """The tokens a stream got, or the EngineDeadError it ended with (its `at` attribute:
+    when it arrived)."""
+    n = 0
+    try:
+        async for out in llm.generate([1, 2, 3], _params(max_tokens), request_id=rid):
+            n += len(out.outputs[0].token_ids)
+            started.set()
+    except EngineDeadError as e:
+        e.at = time.monotonic()
+        return e
+    return n
+
+
+def test_killed_core_fails_only_its_requests(null_dir: str) -> None:
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=null_dir, data_parallel_size=2))
+    pids = _engine_pids()
+    client = llm.client
+
+    async def main():
+        events = [asyncio.Event() for _ in range(8)]
+        tasks = [asyncio.create_task(_count(llm, f"r{i}", 1500, ev)) for i, ev in enumerate(events)]
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), 60)
+        owner = {
+            f"r{i}": client.router.owner[llm.output_processor.get_internal_ids(f"r{i}")[0]]
+            for i in range(8)
+        }
+        assert sorted(owner.values()) == [0] * 4 + [1] * 4, "least-loaded routing"
+        killed_at = time.monotonic()
+        os.kill(client.clients[0].proc.pid, signal.SIGKILL)
+        done = dict(zip(owner, await asyncio.wait_for(asyncio.gather(*tasks), 60), strict=True))
+        failed_at = max(r.at for r in done.values() if isinstance(r, BaseException))
+        with pytest.raises(EngineDeadError, match="engine-core 0 .*killed by SIGKILL"):
+            await llm.check_health()
+        # the survivor takes every new request
+        after = await asyncio.gather(*(_count(llm, f"n{i}", 50, asyncio.Event()) for i in range(4)))
+        return owner, done, failed_at - killed_at, after
+
+    try:
+        owner, done, waited, after = uvloop.run(main())
+    finally:
+        llm.shutdown()
+    for rid, engine in owner.items():
+        if engine == 0:
+            assert isinstance(done[rid], EngineCoreDeadError), done[rid]
+        else:
+            assert done[rid] == 1500, done[rid]
+    assert waited < 5.0
+    assert after == [50] * 4
+    assert client.balance()[1]["requests"] == 8
+    assert wait_gone(pids, timeout=15) == []
+
+
+def _daemon(model: str, address: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "engine-core", "--model", model]
+    return subprocess.Popen(
+        [*cmd, "--address", address],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+def test_connect_to_several_daemons(null_dir: str, tmp_path) -> None:
+    addresses = [f"ipc://{tmp_path}/engine{i}.sock" for i in range(2)]
+    daemons = [_daemon(null_dir, a) for a in addresses]
+    try:
+        llm = AsyncLLM.connect(addresses)
+
+        async def main():
+            return await asyncio.gather(
+                *(_count(llm, f"c{i}", 20, asyncio.Event()) for i in range(6))
+            )
+
+        try:
+            assert uvloop.run(main()) == [20] * 6
+            assert all(b["requests"] >= 2 for b in llm.client.balance())
+        finally:
+            llm.shutdown()
+        sync = LLM.connect(addresses)
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        try:
+            outs = sync.generate([[1, 2, 3]] * 4, params)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 4
+            time.sleep(4)  # idle longer than a silent engine is given: the heartbeats waited
+            assert len(sync.generate([1, 2, 3], params)[0].outputs[0].token_ids) == 5
+        finally:
+            sync.shutdown()
+        assert all(d.poll() is None for d in daemons), "the daemons outlive their clients"
+    finally:
+        for d in daemons:
+            d.send_signal(signal.SIGTERM)
+        for d in daemons:
+            d.wait(timeout=30)
+
+
+def test_openai_server_over_two_engine_cores(null_dir: str, tmp_path) -> None:
+    import httpx
+
+    from minivllm.frontend.server.launch import ServerProcess
+    from tests.server.conftest import descendants, server_env, stop_cleanly
+
+    args = [null_dir, "--data-parallel-size", "2", "--served-model-name", "null"]
+    server = ServerProcess(args, str(tmp_path / "server.log"), server_env(), startup_timeout=120)
+    try:
+        spawned = [p for p in descendants(server) if "spawn_main" in " ".join(p.cmdline())]
+        cores = [p for p in spawned if p.ppid() == server.proc.pid]
+        assert (len(cores), len(spawned)) == (2, 4), "two engine-cores, each with its worker"
+        body = {"model": "null", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                calls = [http.post(f"{server.url}/v1/completions", json=body) for _ in range(8)]
+                return [
+                    r.json()["usage"]["completion_tokens"] for r in await asyncio.gather(*calls)
+                ]
+
+        assert asyncio.run(main()) == [16] * 8
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="null"} 128.0' in metrics
+    finally:
+        stop_cleanly(server)
