@@ -8,6 +8,7 @@ from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -16,6 +17,7 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

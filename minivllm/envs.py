@@ -22,6 +22,8 @@ the variable.
 | MINIVLLM_API_KEY                 | unset   | the server's default `--api-key`                   |
 | MINIVLLM_LOG_STATS_INTERVAL      | 10      | seconds between the server's stats log lines       |
 | MINIVLLM_RAY_PLACEMENT_TIMEOUT   | 120     | seconds the Ray cluster may take to place an engine-core's workers |
+| MINIVLLM_GRAMMAR_CACHE_MB        | 512     | compiled structured-output grammars the engine-core keeps, in MB |
+| MINIVLLM_GRAMMAR_COMPILE_TIMEOUT | 60      | seconds a grammar may compile before its request fails |
 """
 
 from __future__ import annotations
@@ -93,3 +95,11 @@ def log_stats_interval_s() -> float:
 
 def ray_placement_timeout_s() -> float:
     return _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)
+
+
+def grammar_cache_bytes() -> int:
+    return int(_number("MINIVLLM_GRAMMAR_CACHE_MB", 512) * (1 << 20))
+
+
+def grammar_compile_timeout_s() -> float:
+    return _number("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", 60.0)

@@ -19,11 +19,13 @@ from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
 from minivllm.engine_core.step_trace import StepTrace
+from minivllm.engine_core.structured_output import StructuredOutputManager
 from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
     UtilityMethod,
@@ -59,7 +61,14 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.trace = StepTrace()
-        # requests refused at arrival, answered with an error output on the next step
+        model = config.model
+        self.structured = StructuredOutputManager(
+            None if model.skip_tokenizer_init else model.tokenizer,
+            model.vocab_size,
+            config.scheduler.max_num_seqs,
+        )
+        # requests refused at arrival (or whose grammar failed), answered with an error
+        # output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
         logger.info(
             "engine core ready in %.1f s: %d KV blocks, async scheduling %s",
@@ -76,6 +85,12 @@ class EngineCore:
             check_request(request, self.config.model)
             self.scheduler.check_prompt(request.request_id, len(request.prompt_token_ids))
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
+            structured = request.sampling_params.structured_outputs
+            if structured is not None:
+                # the grammar's end: EOS (even with ignore_eos, which then generates on) or
+                # a stop token id
+                stops = {*request.eos_token_ids, *(request.sampling_params.stop_token_ids or ())}
+                self.structured.add_request(req, structured.spec(), sorted(stops))
             self.scheduler.add_request(req)
         except ValueError as e:
             logger.warning("request %s rejected: %s", request.request_id, e)
@@ -113,22 +128,55 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, run and apply one step. With async scheduling, the step launched now is
-        applied on a later call, after the next one has been launched behind it."""
+        applied on a later call, after the next one has been launched behind it.
+
+        A step with structured-output requests gets its token bitmask as soon as the
+        matchers have taken every earlier step's tokens: at once when no earlier step is in
+        flight, else right after that step is applied. The workers run its forward meanwhile
+        and wait for the bitmask only to sample."""
+        if self.structured.waiting:
+            self._poll_grammars()
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.max_in_flight:
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 if self.trace.enabled:
-                    self.trace.launched(so)
+                    self.trace.launched(so, self.structured.num_compiling)
                 self.batch_queue.append((so, self.executor.execute_model(so)))
+                if so.structured_output_req_ids and len(self.batch_queue) == 1:
+                    self._send_bitmask(so)
                 if len(self.batch_queue) < self.max_in_flight:
                     return self._package({})
+            elif not self.batch_queue and self.structured.waiting:
+                self.structured.wait(timeout=0.005)  # idle but for grammars: no spinning
         if not self.batch_queue:
             return self._package({})
         so, future = self.batch_queue.popleft()
         outputs = self.scheduler.update_from_output(so, future.result())
         if self.trace.enabled:
             self.trace.applied(len(self.trace.records) - 1 - len(self.batch_queue))
+        if self.batch_queue and self.batch_queue[0][0].structured_output_req_ids:
+            self._send_bitmask(self.batch_queue[0][0])
         return self._package(outputs)
+
+    def _send_bitmask(self, so: SchedulerOutput) -> None:
+        requests = self.scheduler.requests
+        bitmask = self.structured.fill_bitmask(
+            [requests.get(r) for r in so.structured_output_req_ids]
+        )
+        self.executor.send_grammar_bitmask(GrammarBitmask(so.step_id, bitmask))
+        if self.trace.enabled:
+            self.trace.bitmask_sent()
+
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar is compiled may now be scheduled; those whose grammar
+        failed end with its error."""
+        for request_id, error in self.structured.poll(self.scheduler.requests):
+            logger.warning("request %s failed: %s", request_id, error)
+            ended = self.scheduler.finish_requests(
+                [request_id], RequestStatus.FINISHED_ERROR, error
+            )
+            for client, outs in ended.items():
+                self._rejected.setdefault(client, []).extend(outs)
 
     def _package(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
         for client, rejected in self._rejected.items():
@@ -167,4 +215,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.trace.write()
+        self.structured.shutdown()
         self.executor.shutdown()

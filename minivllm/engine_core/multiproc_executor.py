@@ -18,6 +18,7 @@ from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
+    GrammarBitmask,
     InitKVCache,
     ModelRunnerOutput,
     Rendezvous,
@@ -194,6 +195,11 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(self._dead)
         self._broadcast(scheduler_output)
         return StepFuture(self, scheduler_output.step_id)
+
+    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._broadcast(bitmask)  # copied into ZMQ: the core may refill its buffer at once
 
     def _poll_output(self, step_id: int, timeout_ms: int) -> ModelRunnerOutput | None:
         if step_id in self._outputs:

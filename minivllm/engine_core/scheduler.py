@@ -153,6 +153,7 @@ class Scheduler:
         cached_block_ids = cached_reqs.new_block_ids
         cached_computed = cached_reqs.num_computed_tokens
         new_reqs: list[NewRequestData] = []
+        structured: list[str] = []  # requests that sample this step under a grammar
         preempted = False
 
         running = self.running
@@ -186,9 +187,12 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new >= len(request.all_token_ids):
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.structured_output is not None and request.structured_output.active:
+                    structured.append(request_id)
             i += 1
 
         # a step that had to preempt has no room to spare for newcomers
+        compiling: list[Request] = []  # waiting for their grammar: the others go first
         while (
             not preempted
             and self.waiting
@@ -198,6 +202,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it has arrived
+            if request.structured_output is not None and request.structured_output.matcher is None:
+                compiling.append(self.waiting.popleft())
+                continue
             if _needs_prompt_logprobs(request):
                 hit_blocks, num_hit = [], 0
             else:
@@ -221,6 +228,9 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1
+                if request.structured_output is not None and request.structured_output.active:
+                    structured.append(request.request_id)
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput(
             step_id=self.step_id,
@@ -230,6 +240,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=sorted(self.preempted_req_ids),
+            structured_output_req_ids=structured,
             num_common_prefix_blocks=kv.get_num_common_prefix_blocks(
                 running[0].request_id, len(running)
             )
@@ -267,7 +278,15 @@ class Scheduler:
             self.num_generated_tokens += num_new
             # the decoded message's list, which nothing else holds, unless a stop cut it
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
+            grammar = request.structured_output
+            if grammar is not None and not grammar.accept(new_token_ids):
+                if request.status.is_finished:
+                    request.status = RequestStatus.FINISHED_ERROR
+                else:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
             out = self._make_output(request, new_token_ids)
+            if request.status == RequestStatus.FINISHED_ERROR:
+                out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
             if request.events:
                 out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import numbers
 import secrets
 import time
@@ -15,6 +16,7 @@ from minivllm.frontend.tokenizer import Tokenizer, encode, max_token_id
 from minivllm.protocol.limits import MAX_USER_REQUEST_ID_CHARS
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 # what `LLM.generate` accepts as one prompt, as in vLLM: text, token ids, or a dict of either
 PromptType = str | list[int] | dict[str, Any]
@@ -78,6 +80,7 @@ class InputProcessor:
             params,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
+            structured_outputs=_wire_structured_outputs(params.structured_outputs),
             _bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             # what min_tokens masks: EOS (even with ignore_eos) and the stop token ids
             _all_stop_token_ids=(
@@ -205,6 +208,15 @@ class InputProcessor:
                 f"stop_token_ids: token id {bad} is out of vocabulary "
                 f"(valid ids are 0..{self.max_token_id})"
             )
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params.structured_outputs)
+
+    def _validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
+        from minivllm.engine_core.structured_output.grammar import check
+
+        check(params)
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """The token sequences `bad_words` forbids, as vLLM finds them: each word without a
@@ -230,6 +242,15 @@ class InputProcessor:
                 f"following tokens were specified as bad: {bad}"
             )
         return sequences
+
+
+def _wire_structured_outputs(
+    params: StructuredOutputsParams | None,
+) -> StructuredOutputsParams | None:
+    """A schema given as a dict travels as its JSON text."""
+    if params is None or not isinstance(params.json, dict):
+        return params
+    return msgspec.structs.replace(params, json=json.dumps(params.json))
 
 
 def _as_token_ids(ids: Any) -> list[int]:

@@ -35,6 +35,9 @@ MAX_ABORT_IDS = 1 << 16  # request ids in one Abort; a client sends more as seve
 MAX_LOGIT_BIAS = 1 << 16  # entries of logit_bias
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a vocabulary's worth (the largest are ~256k)
 MAX_BAD_WORDS = 1024  # each at most MAX_STOP_STRING_CHARS characters
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured output's JSON schema, regex or grammar
+MAX_CHOICES = 4096  # structured_outputs.choice entries, each at most MAX_CHOICE_CHARS
+MAX_CHOICE_CHARS = 4096
 
 
 def request_frame_bytes(max_model_len: int) -> int:
@@ -63,6 +66,11 @@ BadWords = Annotated[
 BadWordsTokenIds = Annotated[
     list[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
     msgspec.Meta(max_length=2 * MAX_BAD_WORDS),
+]
+GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
+Choices = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_CHOICE_CHARS)]],
+    msgspec.Meta(max_length=MAX_CHOICES),
 ]
 AllStopTokenIds = Annotated[
     list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS)

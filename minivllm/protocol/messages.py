@@ -22,7 +22,7 @@ import numpy as np
 from minivllm.protocol.limits import AbortIds, EosTokenIds, PromptTokenIds, RequestId
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class FinishReason(enum.IntEnum):
@@ -240,9 +240,24 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[str] = []  # finished or aborted since the last step: forget them
     # preempted by this step: forget them too (one that resumes comes back in full)
     preempted_req_ids: list[str] = []
+    # requests that sample this step under a grammar: their token masks come after this
+    # message, in a `GrammarBitmask` of the same step_id, one row each in this order
+    structured_output_req_ids: list[str] = []
     # leading blocks held by every running request (a shared prompt prefix): the workers
     # may attend it once for all of them (cascade attention)
     num_common_prefix_blocks: int = 0
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The allowed next tokens of one step's structured-output requests, sent to every rank
+    once the matchers have taken the tokens of every earlier step: with async scheduling that
+    is after the step itself, so the workers run its forward and wait for this only to sample.
+    """
+
+    step_id: int
+    # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit
+    # (t % 32) of word t // 32 set means token t may be sampled; a raw frame on the wire
+    bitmask: np.ndarray
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

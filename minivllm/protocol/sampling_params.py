@@ -23,6 +23,7 @@ from minivllm.protocol.limits import (
     StopStrings,
     StopTokenIds,
 )
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # a temperature below this means greedy, everywhere it is decided
 
@@ -61,6 +62,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logit_bias: LogitBias | None = None  # token id -> added to its logit
     allowed_token_ids: AllowedTokenIds | None = None  # only these may be sampled
     bad_words: BadWords | None = None  # never completed, with or without a leading space
+    # what the text must be: a JSON schema, a regex, a choice or a grammar
+    structured_outputs: StructuredOutputsParams | None = None
     # filled in by the frontend: the token ids of bad_words, and every id min_tokens masks
     # (EOS even with ignore_eos, and stop_token_ids)
     _bad_words_token_ids: BadWordsTokenIds | None = None
@@ -151,6 +154,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         ):
             raise ValueError(
                 f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
             )
 
     @property

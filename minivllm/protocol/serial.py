@@ -19,7 +19,7 @@ rows in three frames (int32 token ids, float32 logprobs, int32 ranks), so a step
 cost three buffers rather than three per request; slot i is `outputs[i].new_logprobs`, with
 one row per token of `outputs[i].new_token_ids`.
 
-Any other numpy array (the `LogprobsArrays` fields) is `[dtype, shape, data]` in the body:
+Any other numpy array (the `LogprobsArrays` fields, a `GrammarBitmask`) is `[dtype, shape, data]` in the body:
 `data` is the raw little-endian bytes of a small array, or, for one of `ARRAY_FRAME_BYTES` or
 more, the index of its own frame among the array frames that follow the moved-out ones. Only
 the dtypes in `_ARRAY_DTYPES` decode.
@@ -44,6 +44,7 @@ from minivllm.protocol.messages import (
     EngineCoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
+    GrammarBitmask,
     Heartbeat,
     InitKVCache,
     LogprobsArrays,
@@ -76,13 +77,20 @@ TAGS: dict[type[msgspec.Struct], bytes] = {
     InitKVCache: b"K",
     WorkerReady: b"Y",
     ShutdownWorker: b"X",
+    GrammarBitmask: b"G",
 }
 _CLASS_BY_TAG: dict[int, type[msgspec.Struct]] = {tag[0]: cls for cls, tag in TAGS.items()}
 
 # What each socket direction may carry; pass one of these to `MsgDecoder`.
 FRONTEND_TO_CORE: tuple[type, ...] = (EngineCoreRequest, Abort, UtilityCall, ClientHello, Heartbeat)
 CORE_TO_FRONTEND: tuple[type, ...] = (EngineCoreOutputs, EngineCoreInfo, RouteReady, Heartbeat)
-CORE_TO_WORKER: tuple[type, ...] = (SchedulerOutput, Rendezvous, InitKVCache, ShutdownWorker)
+CORE_TO_WORKER: tuple[type, ...] = (
+    SchedulerOutput,
+    GrammarBitmask,
+    Rendezvous,
+    InitKVCache,
+    ShutdownWorker,
+)
 WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded, WorkerReady)
 
 # Long id lists leave the msgpack body as raw int32 frames (zero-copy on the wire, and a

@@ -13,16 +13,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.cascade import use_cascade
 from minivllm.worker.attention.metadata import AttentionMetadata, one_prompt_metadata
 from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from minivllm.worker.grammar_bitmask import GrammarBitmasks
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
 from minivllm.worker.logits_processors import LogitsProcessors
@@ -79,6 +81,7 @@ class ModelRunner:
         self._calculate_kv_scales = False
         self.sampler = Sampler(tp.size, config.model.logprobs_mode)
         self.processors = LogitsProcessors(max_seqs, config.model.vocab_size, device)
+        self.grammar_bitmasks: GrammarBitmasks | None = None  # with the first structured step
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
@@ -216,13 +219,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
+    ) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
-        return self.execute_model_async(so).get()
+        return self.execute_model_async(so, bitmask).get()
 
     @torch.inference_mode()
-    def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Launch one step; its output's `get()` waits for the sampled ids."""
+    def execute_model_async(
+        self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
+    ) -> AsyncModelRunnerOutput:
+        """Launch one step; its output's `get()` waits for the sampled ids. A step with
+        structured outputs calls `bitmask` for its grammar bitmask (which may wait for it)
+        once its forward is launched."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput(so.step_id, [], [], None)
@@ -246,7 +255,17 @@ class ModelRunner:
         ns = len(sample_idx)
         sampled_states = [states[i] for i in sample_idx]
         rows = hidden.index_select(0, d.logits_indices[:ns])
-        result = self.sampler(self.model, rows, sampling)
+        grammar = None
+        if so.structured_output_req_ids:
+            if self.grammar_bitmasks is None:
+                self.grammar_bitmasks = GrammarBitmasks(
+                    self.config.scheduler.max_num_seqs, self.config.model.vocab_size, self.device
+                )
+            sample_rows = {s.req_id: j for j, s in enumerate(sampled_states)}
+            grammar = self.grammar_bitmasks.waiter(
+                bitmask, so.step_id, so.structured_output_req_ids, sample_rows
+            )
+        result = self.sampler(self.model, rows, sampling, grammar)
         out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, result, prompt_logprobs)
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1

@@ -4,8 +4,10 @@
 `SamplingMetadata`, and works in vLLM's order:
 
 1. the raw logits are kept for raw logprobs (the default `logprobs_mode`);
-2. logits processing (`StepProcessing.apply`): allowed token ids, bad words, min_tokens,
-   logit bias, penalties, on a float32 copy, each only if some row uses it;
+2. logits processing: a structured-output grammar's token bitmask on the rows it
+   constrains (`ops.bitmask`, in place, as vLLM masks before its sampler: raw logprobs see
+   it), then (`StepProcessing.apply`) allowed token ids, bad words, min_tokens, logit bias,
+   penalties, on a float32 copy, each only if some row uses it;
 3. the draw (`ops.sampling.sample`: temperature, min-p, top-k, top-p, greedy or seeded
    random; a Triton kernel on CUDA, its torch reference elsewhere);
 4. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
@@ -26,8 +28,10 @@ import numpy as np
 import torch
 
 from minivllm.protocol.sampling_params import GREEDY_EPS
+from minivllm.worker.grammar_bitmask import GrammarWait
 from minivllm.worker.input_batch import NO_LOGPROBS, InputBatch
 from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, to_device
+from minivllm.worker.ops.bitmask import apply_token_bitmask
 from minivllm.worker.ops.logprobs import gather_logprobs
 from minivllm.worker.ops.sampling import keep_threshold, sample, sample_shard
 from minivllm.worker.step_buffers import StepBuffers
@@ -151,12 +155,22 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(
-        self, model: torch.nn.Module, hidden: torch.Tensor, meta: SamplingMetadata
+        self,
+        model: torch.nn.Module,
+        hidden: torch.Tensor,
+        meta: SamplingMetadata,
+        grammar: GrammarWait | None = None,
     ) -> SamplerOutput:
-        """The sampled ids (and logprobs) on the device for the final hidden states [N, H]."""
-        if self.tp_size > 1 and not meta.needs_whole_rows:
+        """The sampled ids (and logprobs) on the device for the final hidden states [N, H].
+        `grammar`, for a step with structured outputs, waits for its bitmask: it is called
+        once the LM head is queued on the device."""
+        if self.tp_size > 1 and not meta.needs_whole_rows and grammar is None:
             return SamplerOutput(self._sample_vocab_parallel(model.lm_head, hidden, meta))
-        return self.sample_logits(model.compute_logits(hidden), meta)
+        logits = model.compute_logits(hidden)
+        if grammar is not None:
+            mask = grammar()
+            apply_token_bitmask(logits, mask.bitmask, mask.rows)
+        return self.sample_logits(logits, meta)
 
     def sample_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """The same for the full-vocabulary logits [N, V]."""

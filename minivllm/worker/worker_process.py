@@ -28,6 +28,7 @@ from minivllm.config import EngineConfig
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
+    GrammarBitmask,
     InitKVCache,
     ModelRunnerOutput,
     Rendezvous,
@@ -101,6 +102,16 @@ def serve(
                     e,
                 )
 
+    def recv_bitmask() -> GrammarBitmask:
+        """A step with structured outputs: the core sends its bitmask next, before any other
+        step (it may send a shutdown instead, if it stops meanwhile)."""
+        msg = recv()
+        if isinstance(msg, ShutdownWorker):
+            raise _Shutdown
+        if not isinstance(msg, GrammarBitmask):
+            raise RuntimeError(f"expected a grammar bitmask, got {type(msg).__name__}")
+        return msg
+
     step_id = -1
     try:
         store = None
@@ -120,7 +131,7 @@ def serve(
                 profiler.step()
                 # launch and move on: the sender thread waits for the output, so the next
                 # step is received and queued on the GPU behind this one
-                out = worker.execute_model_async(msg)
+                out = worker.execute_model_async(msg, recv_bitmask)
                 if out is not None:
                     send(out)
             elif isinstance(msg, InitKVCache):
@@ -129,6 +140,8 @@ def serve(
                 send(WorkerReady(rank, os.getpid()))
             elif isinstance(msg, ShutdownWorker):
                 break
+    except _Shutdown:
+        pass
     except Exception:
         send(ModelRunnerOutput(step_id=step_id, error=_log_failure(rank)))
         outbox.put(None)
@@ -140,6 +153,10 @@ def serve(
     transport.close_socket(steps, linger=0)
     results.context.term()
     ctx.term()
+
+
+class _Shutdown(Exception):
+    """The engine-core asked this worker to stop while a step waited for its bitmask."""
 
 
 def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:

@@ -80,3 +80,26 @@ def test_bench_throughput_end_to_end(qwen3_dir: str):
     assert float(line.group(3)) > 0
     assert "Total num prompt tokens:  64" in proc.stdout
     assert "Total num output tokens:  32" in proc.stdout
+
+
+def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
+    """The throughput comparison and the grammar costs, on the tiny model's own tokenizer."""
+    env = {**os.environ, "PYTHONPATH": _REPO}
+    base = [sys.executable, "-m", "minivllm.frontend.cli", "bench"]
+    cmd = base + ["throughput", "--structured-outputs", "--model", qwen3_dir, "--device", "cpu"]
+    cmd += ["--num-prompts", "4", "--input-len", "16", "--output-len", "16"]
+    cmd += ["--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(50 << 20)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^json-schema: \d+ of 4 outputs completed the schema", proc.stdout, re.M)
+    assert re.search(r"^json-schema: \d+ output tok/s = [\d.]+% of plain$", proc.stdout, re.M)
+
+    cmd = base + ["grammar", "--model", qwen3_dir, "--tokenizer", qwen3_dir, "--device", "cpu"]
+    cmd += ["--rows", "8", "--steps", "4", "--num-requests", "8", "--input-len", "16"]
+    cmd += ["--output-len", "48", "--num-new-schemas", "3"]
+    trace = {"MINIVLLM_STEP_TRACE": str(tmp_path / "trace.jsonl")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env | trace, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the 8-field schema compiled in" in proc.stdout
+    assert re.search(r"^  fill +[\d.]+ +[\d.]+$", proc.stdout, re.M), proc.stdout
+    assert (tmp_path / "trace.jsonl").exists()

@@ -15,6 +15,7 @@ from minivllm.protocol import limits
 from minivllm.protocol.messages import Abort, EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.serial import FRONTEND_TO_CORE, TAGS, MsgDecoder, MsgEncoder, ProtocolError
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 from minivllm.protocol.transport import (
     bind_socket,
     close_socket,
@@ -42,6 +43,17 @@ def test_user_hears_which_parameter_is_too_big(kwargs: dict, parameter: str) -> 
     with pytest.raises(ValueError, match=rf"^{parameter}\b"):
         SamplingParams(**kwargs)
     SamplingParams(**{k: _one_less(v) for k, v in kwargs.items()})  # the limit itself is fine
+
+
+def test_structured_output_sizes() -> None:
+    with pytest.raises(ValueError, match=r"^structured_outputs.regex: at most"):
+        StructuredOutputsParams(regex="a" * (limits.MAX_GRAMMAR_CHARS + 1))
+    with pytest.raises(ValueError, match=r"^structured_outputs.choice: at most"):
+        StructuredOutputsParams(choice=["a"] * (limits.MAX_CHOICES + 1))
+    big = {"type": "object", "description": "x" * limits.MAX_GRAMMAR_CHARS}
+    with pytest.raises(ValueError, match=r"^structured_outputs.json: at most"):
+        StructuredOutputsParams(json=big)
+    StructuredOutputsParams(regex="a" * limits.MAX_GRAMMAR_CHARS)
 
 
 def _one_less(value):

@@ -19,6 +19,7 @@ from minivllm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    GrammarBitmask,
     Heartbeat,
     InitKVCache,
     LogprobsArrays,
@@ -47,6 +48,7 @@ from minivllm.protocol.serial import (
     MsgEncoder,
     ProtocolError,
 )
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 ALL_TYPES = tuple(TAGS)
 ENCODERS = {
@@ -97,6 +99,20 @@ def sample_messages() -> list[msgspec.Struct]:
         EngineCoreRequest("r0", [1, 2, 3], every),
         EngineCoreRequest("r1", [1, 2, 3], sp, eos_token_ids=[2], arrival_time=1.5, client_id=3),
         EngineCoreRequest("r-long", LONG_PROMPT, SamplingParams()),
+        EngineCoreRequest(
+            "r-json",
+            [1],
+            SamplingParams(
+                structured_outputs=StructuredOutputsParams(
+                    json='{"type": "object"}', disable_any_whitespace=True
+                )
+            ),
+        ),
+        EngineCoreRequest(
+            "r-choice",
+            [1],
+            SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"])),
+        ),
         Abort(["r1", "r2"]),
         UtilityCall(7, UtilityMethod.STATS),
         UtilityCall(8, UtilityMethod.SHUTDOWN),
@@ -138,8 +154,11 @@ def sample_messages() -> list[msgspec.Struct]:
             total_num_scheduled_tokens=517,
             finished_req_ids=["z"],
             preempted_req_ids=["y"],
+            structured_output_req_ids=["a"],
         ),
         SchedulerOutput(step_id=0),
+        GrammarBitmask(42, np.full((1, 4748), -1, dtype=np.int32)),
+        GrammarBitmask(43, np.arange(6, dtype=np.int32).reshape(2, 3)),
         ModelRunnerOutput(3, ["a", "b"], [[11], []]),
         ModelRunnerOutput(
             5,

@@ -10,6 +10,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     from minivllm.frontend.bench import (
         allreduce,
+        grammar,
         kernels,
         kv_accuracy,
         latency,
@@ -29,5 +30,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     trace.add_parser(bench_sub)
+    grammar.add_parser(bench_sub)
     tp_equality.add_parser(bench_sub)
     allreduce.add_parser(bench_sub)

@@ -11,7 +11,9 @@ reference workload anywhere. At temperature 0 a digest of all output tokens is p
 two runs (cascade on and off, say) can be compared for identical tokens. --logprobs N and
 --penalties give every request those settings; --sampling-variants times, on one engine, a
 plain run, a run with --logprobs (5 by default) and one with --penalties, one after the
-other, and prints each against the plain one.
+other, and prints each against the plain one. --structured-outputs times a plain run and
+one under a JSON schema of eight fields (it needs a tokenizer: --tokenizer DIR with a
+geometry; benchmarks/qwen3_tokenizer.py builds Qwen3's).
 
 On CUDA it also prints the memory-traffic floor twice, for a 16-bit and an FP8 KV cache:
 every output token re-reads its context's KV, every decode step the weights, at the device
@@ -24,7 +26,7 @@ import argparse
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from minivllm.frontend.arg_utils import add_engine_args
@@ -54,6 +56,7 @@ class RunResult:
     prompt_tokens: int
     output_tokens: int
     digest: str = ""  # of every request's output token ids, in request order
+    outputs: list[Any] | None = field(default=None, repr=False)  # the RequestOutputs
 
     @property
     def requests_per_s(self) -> float:
@@ -99,6 +102,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time plain, --logprobs (default 5) and --penalties runs on one engine",
     )
+    p.add_argument(
+        "--structured-outputs",
+        action="store_true",
+        help="time plain and JSON-schema runs on one engine (needs a tokenizer)",
+    )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
     p.add_argument("--output-json", default=None, help="write the figures to this file")
@@ -118,6 +126,10 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
         extra["logprobs"] = args.logprobs
     if args.penalties:
         extra.update(PENALTIES)
+    if getattr(args, "structured_outputs", False):
+        from minivllm.frontend.bench.structured import json_schema_variant
+
+        return [("plain", extra), json_schema_variant()]
     if not args.sampling_variants:
         return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
     num = 5 if args.logprobs is None else args.logprobs
@@ -164,7 +176,7 @@ def run_minivllm(
         raise RuntimeError(f"generated {produced} tokens, asked for {workload.num_output_tokens}")
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
-    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, digest)
+    return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, digest, outputs)
 
 
 def print_vllm_lines(r: RunResult) -> None:
@@ -234,6 +246,13 @@ def main(args: argparse.Namespace) -> dict:
         overrides: dict[str, Any] = {}
         if geometry is not None and args.max_model_len is None:
             overrides["max_model_len"] = max(4096, workload.max_model_len)
+        if args.structured_outputs:
+            if geometry is not None and args.tokenizer is None:
+                raise SystemExit(
+                    "--structured-outputs compiles grammars against a tokenizer: give "
+                    "--tokenizer DIR (benchmarks/qwen3_tokenizer.py builds Qwen3's)"
+                )
+            overrides["skip_tokenizer_init"] = False
         engine_args = bench_engine_args(args, model, geometry, **overrides)
         llm = LLM(**asdict(engine_args))
         freeze_startup_heap()  # the bench command's own process
@@ -250,6 +269,11 @@ def main(args: argparse.Namespace) -> dict:
                 print(f"Sampling: {name}")
                 results.append((name, run_minivllm(llm, workload, args.temperature, extra)))
                 print_vllm_lines(results[-1][1])
+                if "structured_outputs" in extra:
+                    from minivllm.frontend.bench.structured import summarize
+
+                    eos = llm.llm_engine.input_processor.eos_token_ids
+                    figures["structured_outputs"] = summarize(results[-1][1].outputs, eos)
         finally:
             llm.shutdown()
         if len(results) > 1:

@@ -3,7 +3,8 @@ trace (`MINIVLLM_STEP_TRACE=FILE minivllm bench throughput ...` writes one).
 
 Each step's time is the gap between its output being applied and the previous step's (the
 engine's throughput clock); steps are grouped into those carrying prompt tokens and
-pure-decode steps by batch size.
+pure-decode steps by batch size. With structured outputs, also how long after the step
+before it was applied each step's grammar bitmask left (the matchers' fill and the send).
 """
 
 from __future__ import annotations
@@ -42,9 +43,21 @@ def summarize(steps: list[dict]) -> dict[str, list[float]]:
     return groups
 
 
+def bitmask_gaps(steps: list[dict]) -> list[float]:
+    """Milliseconds from the later of the step before being applied and this step's launch
+    (a bitmask cannot leave earlier) to this step's bitmask leaving, sorted."""
+    steps = [s for s in steps if s["applied_ms"] is not None]
+    return sorted(
+        s["bitmask_ms"] - max(prev["applied_ms"], s["launched_ms"])
+        for prev, s in zip(steps, steps[1:], strict=False)
+        if "bitmask_ms" in s
+    )
+
+
 def main(args: argparse.Namespace) -> dict[str, list[float]]:
     with open(args.path) as f:
-        groups = summarize([json.loads(line) for line in f])
+        steps = [json.loads(line) for line in f]
+    groups = summarize(steps)
     total = sum(sum(g) for g in groups.values())
     count = sum(len(g) for g in groups.values())
     print(f"{count} steps, {total / 1e3:.2f} s from the first launch to the last output")
@@ -52,4 +65,10 @@ def main(args: argparse.Namespace) -> dict[str, list[float]]:
     for key, gaps in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         t = sum(gaps)
         print(f"{key:<20}{len(gaps):>7}{t / 1e3:>10.2f}{t / total:>8.1%}{t / len(gaps):>10.2f}")
+    gaps = bitmask_gaps(steps)
+    if gaps:
+        print(
+            f"grammar bitmask: {len(gaps)} steps; sent {gaps[len(gaps) // 2]:.2f} ms (median), "
+            f"{gaps[int(0.99 * (len(gaps) - 1))]:.2f} ms (p99) after the step before was applied"
+        )
     return groups

@@ -7,7 +7,7 @@ are sent even when null.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -15,6 +15,22 @@ import msgspec
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -45,6 +61,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

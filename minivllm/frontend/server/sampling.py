@@ -12,6 +12,7 @@ from minivllm.frontend.server.protocol import (
     SamplingFields,
 )
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
 # passed on when sent (not None)
@@ -60,7 +61,39 @@ def _common(request: SamplingFields) -> dict[str, Any]:
     values["min_tokens"] = request.min_tokens
     values["include_stop_str_in_output"] = request.include_stop_str_in_output
     values["skip_special_tokens"] = request.skip_special_tokens
+    structured = _structured_outputs(request)
+    if structured is not None:
+        values["structured_outputs"] = structured
     return values
+
+
+def _structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` body field, with OpenAI's `response_format` (json_object,
+    json_schema) in place of its constraint, as vLLM applies it."""
+    fields = dict(request.structured_outputs or {})
+    param = "structured_outputs"
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        param = "response_format"
+        if fmt.type == "json_object":
+            fields["json_object"] = True
+        elif fmt.json_schema is None:
+            raise OpenAIError(
+                "When response_format type is 'json_schema', the 'json_schema' field must be "
+                "provided.",
+                param=param,
+            )
+        else:
+            fields["json"] = fmt.json_schema.schema
+    if not fields:
+        return None
+    unknown = sorted(set(fields) - set(StructuredOutputsParams.__struct_fields__))
+    if unknown:
+        raise OpenAIError(f"structured_outputs: unsupported fields {unknown}", param=param)
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param) from None
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

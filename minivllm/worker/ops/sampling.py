@@ -321,6 +321,7 @@ def gumbel_noise(
     row_key = _splitmix(seeds.long() * _GOLDEN + positions.long())
     index = torch.arange(vocab_start, vocab_start + width, device=seeds.device)
     bits = _splitmix(row_key[:, None] + (index[None, :] + 1) * _GOLDEN)
-    # 24 random bits -> a uniform in (0, 1), never 0 or 1
-    uniform = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    # 24 random bits -> a uniform in (0, 1), never 0 or 1: the top value rounds to 1.0 in
+    # float32, whose infinite noise would turn a banned (-inf) logit into NaN, the argmax
+    uniform = ((_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(1.0 - 2.0**-24)
     return -torch.log(-torch.log(uniform))

@@ -1,0 +1,215 @@
+"""The engine-core's structured outputs: grammars compiled off the busy loop, one matcher per
+request, and each step's token bitmask.
+
+    add_request   the request's grammar is looked up in a cache keyed by its `GrammarSpec`;
+                  a miss is compiled on a thread pool. The request waits in the scheduler's
+                  queue meanwhile, skipped, never holding back the requests behind it.
+    poll          (each step) requests whose grammar is done get a matcher, and can be
+                  scheduled; one whose grammar failed ends with its error.
+    accept        (scheduler.update_from_output) a request's new tokens advance its matcher,
+                  so the matcher has always taken exactly the output tokens received.
+    fill_bitmask  one packed int32 row per constrained request of a step: bit t set = token
+                  t allowed (all set once the grammar has ended).
+
+Preemption needs no rollback: a preempted request keeps its output tokens (they are
+recomputed, not resampled), and its matcher has taken exactly those.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from minivllm import envs
+from minivllm.engine_core.structured_output.grammar import GrammarCompiler, xgrammar
+from minivllm.protocol.structured_outputs import GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+# below this many rows one thread fills the bitmask; above, xgrammar's thread pool
+_PARALLEL_FILL_ROWS = 16
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (Linux: `nice` is per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+class StructuredOutputRequest:
+    """One request's grammar: a future until compiled, then its matcher."""
+
+    __slots__ = ("spec", "stop_token_ids", "grammar", "matcher", "submitted", "terminated")
+
+    def __init__(self, spec: GrammarSpec, stop_token_ids: list[int]) -> None:
+        self.spec = spec
+        self.stop_token_ids = stop_token_ids
+        self.grammar: Future[Any] | None = None
+        self.matcher: Any = None  # None while the grammar compiles
+        self.submitted = time.monotonic()
+        self.terminated = False  # the grammar has ended (took a stop token)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (the grammar has not ended)."""
+        return not self.terminated
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance the matcher over `token_ids`; False if the grammar refuses one. Tokens
+        after the grammar has ended are not constrained (ignore_eos keeps generating)."""
+        matcher = self.matcher
+        for token_id in token_ids:
+            if self.terminated:
+                return True
+            if not matcher.accept_token(token_id):
+                return False
+            self.terminated = matcher.is_terminated()
+        return True
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: str | None, vocab_size: int, max_num_seqs: int) -> None:
+        """`tokenizer`: its path (None: the engine has none, structured outputs are refused)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.num_words = -(-vocab_size // 32)
+        # two compile threads (one slow grammar leaves the other for the rest), at a lower
+        # CPU priority than the busy loop, as are the threads xgrammar starts from them
+        self._pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="grammar", initializer=_lower_priority
+        )
+        self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
+        self._compiler: Future[GrammarCompiler] | None = None  # built with the first grammar
+        # compiled grammars, least recently used first out (an 8-field JSON schema's takes
+        # ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
+        self._grammars: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
+        self.cache_bytes = envs.grammar_cache_bytes()
+        self.compile_timeout_s = envs.grammar_compile_timeout_s()
+        self.waiting: dict[str, tuple[Any, StructuredOutputRequest]] = {}  # compiling
+        self._bitmask: np.ndarray | None = None
+        self._batch_matcher: Any = None
+
+    # ------------------------------------------------------------------ compiling
+
+    def add_request(self, request: Any, spec: GrammarSpec, stop_token_ids: list[int]) -> None:
+        """Give `request` (an engine_core Request) its grammar, compiling it if need be."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs need a tokenizer, but the engine runs with skip_tokenizer_init"
+            )
+        xgrammar()  # a clear error now if it is not installed
+        state = StructuredOutputRequest(spec, stop_token_ids)
+        state.grammar = self._grammar(spec)
+        request.structured_output = state
+        self.waiting[request.request_id] = (request, state)
+
+    def _grammar(self, spec: GrammarSpec) -> Future[Any]:
+        future = self._grammars.get(spec)
+        if future is not None:
+            self._grammars.move_to_end(spec)
+            return future
+        if self._compiler is None:
+            self._compiler = self._pool.submit(GrammarCompiler, self.tokenizer, self.vocab_size)
+        future = self._pool.submit(self._compile, self._compiler, spec)
+        self._grammars[spec] = future
+        self._evict()
+        return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars past the cache's bytes (requests
+        that hold one keep it)."""
+        sizes = [
+            f.result().memory_size_bytes if f.done() and not f.exception() else 0
+            for f in self._grammars.values()
+        ]
+        total = sum(sizes)
+        for spec, size in zip(list(self._grammars), sizes, strict=True):
+            if total <= self.cache_bytes:
+                return
+            if size:  # compiled: still compiling ones take nothing yet
+                del self._grammars[spec]
+                total -= size
+
+    @staticmethod
+    def _compile(compiler: Future[GrammarCompiler], spec: GrammarSpec) -> Any:
+        try:
+            c = compiler.result()
+        except Exception as e:
+            raise RuntimeError(f"cannot read the tokenizer's vocabulary: {e}") from e
+        return c.compile(spec)
+
+    def poll(self, unfinished: dict[str, Any]) -> list[tuple[str, str]]:
+        """Give each waiting request whose grammar is compiled its matcher. Returns
+        (request id, error) for each whose grammar failed or took too long; requests that
+        ended meanwhile (`unfinished` no longer has them) are forgotten."""
+        failed = []
+        now = time.monotonic()
+        for req_id, (request, state) in list(self.waiting.items()):
+            if unfinished.get(req_id) is not request:
+                del self.waiting[req_id]
+            elif state.grammar.done():
+                del self.waiting[req_id]
+                try:
+                    compiled = state.grammar.result()
+                    state.matcher = self._compiler.result().matcher(compiled, state.stop_token_ids)
+                except Exception as e:
+                    self._grammars.pop(state.spec, None)  # a later request may try again
+                    failed.append((req_id, f"structured_outputs: {e}"))
+            elif now - state.submitted > self.compile_timeout_s:
+                del self.waiting[req_id]
+                failed.append(
+                    (
+                        req_id,
+                        f"structured_outputs: the grammar did not compile within "
+                        f"{self.compile_timeout_s:.0f} s",
+                    )
+                )
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a waiting request's grammar is compiled, or `timeout` seconds."""
+        futures = [state.grammar for _, state in self.waiting.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------ bitmask
+
+    def fill_bitmask(self, requests: list[Any]) -> np.ndarray:
+        """The token bitmask rows of `requests` (engine_core Requests, or None for one that
+        ended since its step was scheduled: any token, the step's sample is dropped)."""
+        xgr = xgrammar()
+        if self._bitmask is None:
+            self._bitmask = np.empty((self.max_num_seqs, self.num_words), dtype=np.int32)
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
+        bitmask = self._bitmask[: len(requests)]
+        matchers, rows = [], []
+        for i, request in enumerate(requests):
+            state = None if request is None else request.structured_output
+            if state is None or state.terminated:
+                bitmask[i] = -1
+            else:
+                matchers.append(state.matcher)
+                rows.append(i)
+        if len(matchers) >= _PARALLEL_FILL_ROWS:
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        else:
+            for matcher, i in zip(matchers, rows, strict=True):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self.waiting)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
