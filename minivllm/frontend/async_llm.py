@@ -11,7 +11,7 @@ from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
-from minivllm.frontend.dp_client import DPAsyncClient
+from minivllm.frontend.dp_client import DPAsyncClient, attach_client, make_client
 from minivllm.frontend.input_processor import InputProcessor
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
@@ -54,7 +54,7 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        return cls(config.model, make_async_client(config), stat_loggers)
+        return cls(config.model, make_client(config, asynchronous=True), stat_loggers)
 
     @classmethod
     def connect(
@@ -67,7 +67,7 @@ class AsyncLLM:
         (a list: one serving frontend over all, requests routed as with data parallelism).
         `curve`: the keys a daemon on a network address asks for
         (`CurveClientKeys.load(server_key, secret_key)`)."""
-        client = attach_async_client(address, curve)
+        client = attach_client(address, curve, asynchronous=True)
         return cls(client.engine_config().model, client, stat_loggers)
 
     @property
@@ -188,23 +188,6 @@ class AsyncLLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.client.shutdown()
-
-
-def make_async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncClient:
-    """Spawn the engine-core(s) of `config`: one, or `data_parallel_size` behind a router."""
-    if config.parallel.data_parallel_size > 1:
-        return DPAsyncClient(config)
-    return AsyncMPClient(config)
-
-
-def attach_async_client(
-    address: str | list[str], curve: CurveClientKeys | None = None
-) -> AsyncMPClient | DPAsyncClient:
-    """Attach to one daemon, or route over several."""
-    addresses = [address] if isinstance(address, str) else list(address)
-    if len(addresses) == 1:
-        return AsyncMPClient.connect(addresses[0], curve)
-    return DPAsyncClient.connect(addresses, curve)
 
 
 def _log_failure(task: asyncio.Future) -> None:

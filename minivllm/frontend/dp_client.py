@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 import zmq
@@ -20,15 +20,10 @@ import zmq
 from minivllm.config import EngineConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
+from minivllm.frontend.core_launch import EngineCoreLaunch
 from minivllm.frontend.dp_placement import engine_configs
 from minivllm.frontend.dp_router import DPRouter
-from minivllm.frontend.mp_client import (
-    _POLL_MS,
-    AsyncMPClient,
-    EngineCoreLaunch,
-    SyncMPClient,
-    _MPClient,
-)
+from minivllm.frontend.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient, _MPClient
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import (
     EngineCoreInfo,
@@ -100,9 +95,11 @@ def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 class _DPClient:
     """What the sync and async data-parallel clients share: the router and the bookkeeping
-    of outputs and deaths."""
+    of outputs and deaths. `start` spawns the engine-cores of a config, `connect` attaches
+    to running daemons."""
 
     clients: list[_MPClient]
+    client_class: type[_MPClient]
 
     def __init__(self, clients: list[_MPClient], block_size: int, addresses: list[str]) -> None:
         self.clients = clients
@@ -110,6 +107,16 @@ class _DPClient:
         self.router = DPRouter(len(clients), block_size)
         self.output_tokens = [0] * len(clients)
         self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> Self:
+        clients = _spawn_all(cls.client_class, config)
+        return cls(clients, config.cache.block_size, [c.info.input_address for c in clients])
+
+    @classmethod
+    def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> Self:
+        clients = _connect_all(cls.client_class, addresses, curve)
+        return cls(clients, DEFAULT_BLOCK_SIZE, list(addresses))
 
     def engine_config(self) -> EngineConfig:
         """The config to work with when attached to daemons (they serve the same model)."""
@@ -196,19 +203,11 @@ class DPSyncClient(_DPClient, EngineCoreClient):
     """Blocking data-parallel client (`LLM`, `LLMEngine`)."""
 
     clients: list[SyncMPClient]
+    client_class = SyncMPClient
 
-    def __init__(self, config: EngineConfig) -> None:
-        clients = _spawn_all(SyncMPClient, config)
-        super().__init__(clients, config.cache.block_size, [c.info.input_address for c in clients])
+    def __init__(self, clients: list[SyncMPClient], block_size: int, addresses: list[str]) -> None:
+        super().__init__(clients, block_size, addresses)
         self._deaths: deque[EngineDeadError] = deque()
-
-    @classmethod
-    def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> DPSyncClient:
-        self = cls.__new__(cls)
-        clients = _connect_all(SyncMPClient, addresses, curve)
-        _DPClient.__init__(self, clients, DEFAULT_BLOCK_SIZE, list(addresses))
-        self._deaths = deque()
-        return self
 
     def _on_death(self, engine: int, error: BaseException) -> None:
         err = self._died(engine, error)
@@ -286,21 +285,10 @@ class DPAsyncClient(_DPClient):
     one queue."""
 
     clients: list[AsyncMPClient]
+    client_class = AsyncMPClient
 
-    def __init__(self, config: EngineConfig) -> None:
-        clients = _spawn_all(AsyncMPClient, config)
-        super().__init__(clients, config.cache.block_size, [c.info.input_address for c in clients])
-        self._init_async()
-
-    @classmethod
-    def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> DPAsyncClient:
-        self = cls.__new__(cls)
-        clients = _connect_all(AsyncMPClient, addresses, curve)
-        _DPClient.__init__(self, clients, DEFAULT_BLOCK_SIZE, list(addresses))
-        self._init_async()
-        return self
-
-    def _init_async(self) -> None:
+    def __init__(self, clients: list[AsyncMPClient], block_size: int, addresses: list[str]) -> None:
+        super().__init__(clients, block_size, addresses)
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -404,3 +392,20 @@ def _combine(method: UtilityMethod, results: list[Any]) -> Any:
         merged = merge_scheduler_stats([SchedulerStats(**r) for r in results])
         return msgspec.structs.asdict(merged)
     return all(results)
+
+
+def make_client(config: EngineConfig, asynchronous: bool) -> Any:
+    """Spawn the engine-core(s) of `config`: one, or `data_parallel_size` behind a router."""
+    if config.parallel.data_parallel_size > 1:
+        return (DPAsyncClient if asynchronous else DPSyncClient).start(config)
+    return (AsyncMPClient if asynchronous else SyncMPClient)(config)
+
+
+def attach_client(
+    address: str | list[str], curve: CurveClientKeys | None, asynchronous: bool
+) -> Any:
+    """Attach to one daemon, or route over several."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if len(addresses) == 1:
+        return (AsyncMPClient if asynchronous else SyncMPClient).connect(addresses[0], curve)
+    return (DPAsyncClient if asynchronous else DPSyncClient).connect(addresses, curve)

@@ -8,9 +8,8 @@ from typing import Any
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
-from minivllm.frontend.dp_client import DPSyncClient
+from minivllm.frontend.dp_client import attach_client, make_client
 from minivllm.frontend.input_processor import InputProcessor
-from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
@@ -31,9 +30,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if client is None and config.parallel.distributed_executor_backend == "uni":
             client = InprocClient(config)
-        if client is None and config.parallel.data_parallel_size > 1:
-            client = DPSyncClient(config)
-        self.engine_core = client or SyncMPClient(config)
+        self.engine_core = client or make_client(config, asynchronous=False)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -43,11 +40,7 @@ class LLMEngine:
     def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: requests routed over them as with data parallelism)."""
-        addresses = [address] if isinstance(address, str) else list(address)
-        if len(addresses) == 1:
-            client: SyncMPClient | DPSyncClient = SyncMPClient.connect(addresses[0], curve)
-        else:
-            client = DPSyncClient.connect(addresses, curve)
+        client = attach_client(address, curve, asynchronous=False)
         return cls(client.engine_config(), client=client)
 
     def add_request(

@@ -20,20 +20,16 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from minivllm import envs
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
-from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
+from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.process_utils import describe_exit
 from minivllm.protocol import transport
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.limits import MAX_ABORT_IDS
@@ -59,40 +55,6 @@ _POLL_MS = 100
 T = TypeVar("T")
 
 
-@dataclass
-class EngineCoreLaunch:
-    """A spawned engine-core that may still be starting. Spawn from the main thread: a
-    child's parent-death signal fires when the *thread* that spawned it ends."""
-
-    proc: BaseProcess
-    ready: Connection
-    death_pipe: Connection
-    ipc_dir: str
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> EngineCoreLaunch:
-        from minivllm.engine_core.core_process import run_engine_core
-
-        ipc_dir = private_ipc_dir("client")
-        proc, ready, death = spawn(
-            run_engine_core,
-            dict(
-                config=config,
-                input_address=transport.ipc_address(ipc_dir, "input"),
-                output_address=transport.ipc_address(ipc_dir, "output"),
-            ),
-            name="engine-core",
-        )
-        return cls(proc, ready, death, ipc_dir)
-
-    def cancel(self) -> None:
-        """Stop an engine-core that no client took over."""
-        terminate([self.proc], timeout=10.0)
-        self.ready.close()
-        self.death_pipe.close()
-        transport.cleanup_ipc(self.ipc_dir)
-
-
 class _MPClient:
     """Start (or attach to) an engine-core and complete the handshake, with sync sockets."""
 
@@ -107,9 +69,8 @@ class _MPClient:
         for."""
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
         self.curve = curve
+        self.launch: EngineCoreLaunch | None = None  # the engine-core this client spawned
         self.proc = None
-        self.death_pipe = None
-        self.ipc_dir: str | None = None
         self.dead_reason: str | None = None
         self.client_id = secrets.randbits(31) + 1
         self.identity = self.client_id.to_bytes(4, "little")
@@ -120,36 +81,19 @@ class _MPClient:
             if address is None:
                 assert config is not None
                 address = EngineCoreLaunch.start(config)
-            if isinstance(address, EngineCoreLaunch):
-                address = self._await_core(address)
+            if isinstance(address, EngineCoreLaunch):  # this client owns it from here on
+                self.launch, self.proc = address, address.proc
+                address = address.wait_ready()
             self.info = self._attach(address)
         except BaseException:
             self._close()
             raise
         self.last_heard = time.monotonic()
 
-    def _await_core(self, launch: EngineCoreLaunch) -> str:
-        """Own the launched engine-core and wait until it listens; its input address."""
-        proc, ready = launch.proc, launch.ready
-        self.proc, self.death_pipe, self.ipc_dir = proc, launch.death_pipe, launch.ipc_dir
-        timeout_s = envs.startup_timeout_s()
-        deadline = time.monotonic() + timeout_s
-        while not ready.poll(0.2):
-            if not proc.is_alive():
-                raise EngineStartupError(f"{describe_exit(proc)} during startup")
-            if time.monotonic() > deadline:
-                raise EngineStartupError(f"engine-core did not start in {timeout_s:.0f} s")
-        try:
-            hello = msgspec.msgpack.decode(ready.recv_bytes(), type=EngineCoreInfo)
-        except EOFError:
-            proc.join(5)
-            raise EngineStartupError(f"{describe_exit(proc)} during startup") from None
-        finally:
-            ready.close()
-        if hello.error:
-            proc.join(5)
-            raise EngineStartupError(f"{hello.error} ({describe_exit(proc)})")
-        return hello.input_address
+    @classmethod
+    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> Self:
+        """Attach to a running daemon at `address`."""
+        return cls(address=address, curve=curve)
 
     def _attach(self, address: str) -> EngineCoreInfo:
         self.input_sock = transport.connect_socket(
@@ -239,13 +183,9 @@ class _MPClient:
             if sock is not None:
                 transport.close_socket(sock, linger=0)
         self.input_sock = self.output_sock = None
-        if self.proc is not None:
-            terminate([self.proc], timeout=10.0)
-        if self.death_pipe is not None:
-            self.death_pipe.close()
+        if self.launch is not None:
+            self.launch.cancel()
         self.ctx.term()
-        if self.ipc_dir is not None:
-            transport.cleanup_ipc(self.ipc_dir)
 
 
 class SyncMPClient(_MPClient, EngineCoreClient):
@@ -264,10 +204,6 @@ class SyncMPClient(_MPClient, EngineCoreClient):
         self._closed = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._beat.start()
-
-    @classmethod
-    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> SyncMPClient:
-        return cls(address=address, curve=curve)
 
     def _send(self, msg) -> None:
         frames = self.encoder.encode(msg)
@@ -355,10 +291,6 @@ class AsyncMPClient(_MPClient):
         self._utility: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed = False
-
-    @classmethod
-    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> AsyncMPClient:
-        return cls(address=address, curve=curve)
 
     def _ensure_started(self) -> None:
         if self._tasks and not any(t.done() for t in self._tasks):

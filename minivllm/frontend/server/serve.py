@@ -72,7 +72,8 @@ def _chat_template(value: str | None) -> str | None:
 
 def build_state(args: argparse.Namespace):
     """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
-    from minivllm.frontend.async_llm import AsyncLLM, attach_async_client, make_async_client
+    from minivllm.frontend.async_llm import AsyncLLM
+    from minivllm.frontend.dp_client import attach_client, make_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
     from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
     from minivllm.frontend.server.app import ServerState
@@ -88,7 +89,7 @@ def build_state(args: argparse.Namespace):
                 curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
             except (TypeError, ValueError) as e:
                 raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
-        client = attach_async_client(args.connect.split(","), curve)
+        client = attach_client(args.connect.split(","), curve, asynchronous=True)
         model_config = client.engine_config().model
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
@@ -102,7 +103,7 @@ def build_state(args: argparse.Namespace):
         except ValueError as e:
             raise SystemExit(f"minivllm serve: {e}") from None
         model_config, device = config.model, config.device.device
-        client = make_async_client(config)
+        client = make_client(config, asynchronous=True)
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
