@@ -70,14 +70,13 @@ def _connect_all(client_class, addresses: list[str], curve: CurveClientKeys | No
     return clients
 
 
+_SAME_MODEL_FIELDS = ("model", "tokenizer", "max_model_len")
+
+
 def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None:
     first = infos[0]
     for info, address in zip(infos[1:], addresses[1:], strict=True):
-        if (info.model, info.tokenizer, info.max_model_len) != (
-            first.model,
-            first.tokenizer,
-            first.max_model_len,
-        ):
+        if any(getattr(info, f) != getattr(first, f) for f in _SAME_MODEL_FIELDS):
             raise EngineStartupError(
                 f"the engine-cores at {addresses[0]} and {address} serve different models "
                 f"({first.model!r}, {first.max_model_len} tokens vs {info.model!r}, "
@@ -129,13 +128,8 @@ class _DPClient:
         if out.scheduler_stats is not None:
             self.router.update_stats(engine, out.scheduler_stats)
             self.latest_stats[engine] = out.scheduler_stats
-            out.scheduler_stats = merge_scheduler_stats(
-                [
-                    s
-                    for e, s in enumerate(self.latest_stats)
-                    if s is not None and e not in self.router.dead
-                ]
-            )
+            live = [s for e, s in enumerate(self.latest_stats) if e not in self.router.dead]
+            out.scheduler_stats = merge_scheduler_stats([s for s in live if s is not None])
         for o in out.outputs:
             self.output_tokens[engine] += len(o.new_token_ids)
             if o.finish_reason is not None:
@@ -165,9 +159,12 @@ class _DPClient:
         self.router.assign([r.request_id for r in requests], requests[0].prompt_token_ids, engine)
         return engine
 
-    def _unassign(self, requests: list[EngineCoreRequest]) -> None:
-        for r in requests:
-            self.router.finished(r.request_id)
+    def _forget(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Stop tracking aborted requests; their ids by the live core that holds them."""
+        by_engine = self.router.by_engine(request_ids)
+        for r in request_ids:
+            self.router.finished(r)
+        return {e: ids for e, ids in by_engine.items() if e not in self.router.dead}
 
     def health_error(self) -> EngineDeadError | None:
         """An error naming every dead core, or None while all live."""
@@ -222,20 +219,16 @@ class DPSyncClient(_DPClient, EngineCoreClient):
             engine = self._choose(requests)
             try:
                 self.clients[engine].add_request(requests[0])
+                break
             except EngineDeadError as e:  # nothing sent: try another core
-                self._unassign(requests)
+                self._forget([r.request_id for r in requests])
                 self._on_death(engine, e)
-                continue
-            for r in requests[1:]:
-                self.clients[engine].add_request(r)
-            return
+        for r in requests[1:]:
+            self.clients[engine].add_request(r)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        for engine, ids in self.router.by_engine(request_ids).items():
-            for r in ids:
-                self.router.finished(r)
-            if engine not in self.router.dead:
-                self.clients[engine].abort_requests(ids)
+        for engine, ids in self._forget(request_ids).items():
+            self.clients[engine].abort_requests(ids)
 
     def get_output(self) -> EngineCoreOutputs:
         poller = zmq.Poller()
@@ -332,20 +325,16 @@ class DPAsyncClient(_DPClient):
             engine = self._choose(requests)
             try:
                 await self.clients[engine].add_request_async(requests[0])
+                break
             except EngineDeadError as e:  # nothing sent: try another core
-                self._unassign(requests)
+                self._forget([r.request_id for r in requests])
                 self._on_death(engine, e)
-                continue
-            for r in requests[1:]:
-                await self.clients[engine].add_request_async(r)
-            return
+        for r in requests[1:]:
+            await self.clients[engine].add_request_async(r)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        for engine, ids in self.router.by_engine(request_ids).items():
-            for r in ids:
-                self.router.finished(r)
-            if engine not in self.router.dead:
-                await self.clients[engine].abort_requests_async(ids)
+        for engine, ids in self._forget(request_ids).items():
+            await self.clients[engine].abort_requests_async(ids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_started()

@@ -66,7 +66,11 @@ class ModelRunner:
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.attn_backend_name, self.attn_backend = self._make_attn_backend()
+        from minivllm.worker.attention.selector import get_attention_backend
+
+        self.attn_backend_name, self.attn_backend = get_attention_backend(
+            device.type, block_size=self.block_size, head_dim=m.head_dim, dtype=self.kv_shape.dtype
+        )
         self.use_graphs = (
             device.type == "cuda"
             and not config.device.enforce_eager
@@ -85,18 +89,6 @@ class ModelRunner:
         # launched steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
-    # ------------------------------------------------------------------ setup
-
-    def _make_attn_backend(self):
-        from minivllm.worker.attention.selector import get_attention_backend
-
-        return get_attention_backend(
-            self.device.type,
-            block_size=self.block_size,
-            head_dim=self.config.model.head_dim,
-            dtype=self.kv_shape.dtype,
-        )
-
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
@@ -105,13 +97,9 @@ class ModelRunner:
         if cache.fp8_kv:
             from_checkpoint = getattr(self.model, "has_kv_scales", False)
             self._calculate_kv_scales = cache.calculate_kv_scales and not from_checkpoint
-            source = (
-                "the checkpoint"
-                if from_checkpoint
-                else "the first prefill"
-                if self._calculate_kv_scales
-                else "1.0 (none in the checkpoint; calculate_kv_scales is off)"
-            )
+            source = "the checkpoint" if from_checkpoint else "the first prefill"
+            if not (from_checkpoint or self._calculate_kv_scales):
+                source = "1.0 (none in the checkpoint; calculate_kv_scales is off)"
             logger.info("FP8 KV cache: per-layer k/v scales from %s", source)
 
     def determine_num_blocks(self) -> int:
@@ -135,16 +123,15 @@ class ModelRunner:
     def profile_run(self) -> None:
         """A worst-case forward (max_num_batched_tokens tokens) and a sample of max_num_seqs
         rows, to measure peak activations."""
-        n = max(
-            1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        )
+        sched = self.config.scheduler
+        n = max(1, min(sched.max_num_batched_tokens, self.config.model.max_model_len))
         dev = self.device
         caches = self.kv_shape.allocate(-(-n // self.block_size), dev)
         meta = one_prompt_metadata(n, self.block_size, dev)
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         pos = torch.arange(n, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos, caches, meta)
-        rows = min(n, self.config.scheduler.max_num_seqs)
+        rows = min(n, sched.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler.sample_logits(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
@@ -216,8 +203,6 @@ class ModelRunner:
             cascade_prefix_len=d.cascade_prefix_len if cascade else None,
         )
         return self.model(d.input_ids[:size], d.positions[:size], self.kv_caches, meta)
-
-    # ------------------------------------------------------------------ step
 
     def execute_model(
         self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
