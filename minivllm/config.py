@@ -201,27 +201,16 @@ class EngineArgs:
     def _validate(self) -> None:
         if not self.model:
             raise ValueError("model must name a directory with config.json")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        if self.distributed_executor_backend not in _EXECUTORS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {_EXECUTORS}, "
-                f"got {self.distributed_executor_backend!r}"
-            )
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
-            )
+        for name, choices in (
+            ("dtype", _DTYPES),
+            ("load_format", _LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("device", _DEVICES),
+            ("distributed_executor_backend", _EXECUTORS),
+            ("logprobs_mode", LOGPROBS_MODES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):

@@ -1,35 +1,56 @@
-"""`minivllm bench ...`: benchmarks whose output reads like vLLM's."""
+"""`minivllm bench ...`: benchmarks whose output reads like vLLM's. Each command is a module
+of this package: its docstring is the command's description, `add_arguments(parser)` (if
+any) adds its flags and `main(args)` runs it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
+COMMANDS = {  # name: (module, help)
+    "throughput": ("throughput", "offline throughput (vLLM's `bench throughput`)"),
+    "latency": ("latency", "batch latency, TTFT and TPOT (vLLM's `bench latency`)"),
+    "serve": ("serve", "load an OpenAI-compatible server (vLLM's `bench serve`)"),
+    "overhead": (
+        "overhead",
+        "engine overhead with the null model (tok/s, µs per step, IPC round trip)",
+    ),
+    "kv-accuracy": (
+        "kv_accuracy",
+        "next-token agreement and KL of an FP8 KV cache against the model's dtype",
+    ),
+    "step": ("step", "host and GPU time of one decode or prefill step of the model runner"),
+    "kernels": (
+        "kernels",
+        "check and time the Triton kernels (attention bf16/FP8/cascade, sampler, ops)",
+    ),
+    "trace": ("trace", "summarize a MINIVLLM_STEP_TRACE file: time per step kind and batch size"),
+    "grammar": (
+        "grammar",
+        "structured outputs: the core's per-step grammar work; steps while grammars compile",
+    ),
+    "tp-equality": (
+        "tp_equality",
+        "greedy tokens at several tensor-parallel sizes, compared token for token",
+    ),
+    "allreduce": (
+        "allreduce",
+        "2-GPU all-reduce: NCCL against the Triton one-shot kernel, and fused with RMSNorm",
+    ),
+}
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    from minivllm.frontend.bench import (
-        allreduce,
-        grammar,
-        kernels,
-        kv_accuracy,
-        latency,
-        overhead,
-        serve,
-        step,
-        throughput,
-        tp_equality,
-        trace,
-    )
-
-    throughput.add_parser(bench_sub)
-    latency.add_parser(bench_sub)
-    serve.add_parser(bench_sub)
-    overhead.add_parser(bench_sub)
-    kv_accuracy.add_parser(bench_sub)
-    step.add_parser(bench_sub)
-    kernels.add_parser(bench_sub)
-    trace.add_parser(bench_sub)
-    grammar.add_parser(bench_sub)
-    tp_equality.add_parser(bench_sub)
-    allreduce.add_parser(bench_sub)
+    for name, (module_name, help) in COMMANDS.items():
+        module = importlib.import_module(f"minivllm.frontend.bench.{module_name}")
+        cmd = bench_sub.add_parser(
+            name,
+            help=help,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(cmd)
+        cmd.set_defaults(func=module.main)

@@ -25,16 +25,6 @@ import argparse
 import os
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "allreduce",
-        help="2-GPU all-reduce: NCCL against the Triton one-shot kernel, and fused with RMSNorm",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(func=main)
-
-
 def main(args: argparse.Namespace) -> int:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"

@@ -35,13 +35,7 @@ from minivllm.frontend.bench.common import add_model_args, model_dir
 from minivllm.frontend.bench.structured import SCHEMA
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "grammar",
-        help="structured outputs: the core's per-step grammar work; steps while grammars compile",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, help="the vocabulary grammars compile against")
     p.add_argument("--model", default=None, help="a checkpoint (default: a geometry, dummy)")
     p.add_argument("--device", default="auto")
@@ -52,7 +46,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-new-schemas", type=int, default=16)
     add_model_args(p)
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,15 +19,8 @@ DEV = "cuda"
 rows: list[tuple[str, str, float, str]] = []
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "kernels",
-        help="check and time the Triton kernels (attention bf16/FP8/cascade, sampler, ops)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", choices=["attention", "sampler", "ops"], default=None)
-    p.set_defaults(func=main)
 
 
 def bench(fn: Any) -> float:

@@ -30,20 +30,13 @@ from minivllm.frontend.bench.common import (
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "kv-accuracy",
-        help="next-token agreement and KL of an FP8 KV cache against the model's dtype",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="default 64 (CUDA) / 8 (CPU)")
     p.add_argument("--input-len", type=int, default=None, help="random prompts of this length")
     p.add_argument("--compare", choices=["hf"], default=None, help="transformers as reference")
     p.add_argument("--output-json", default=None)
     add_model_args(p)
     add_engine_args(p, model_required=False)
-    p.set_defaults(func=main)
 
 
 @dataclass

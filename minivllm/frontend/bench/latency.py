@@ -30,13 +30,7 @@ from minivllm.process_utils import freeze_startup_heap
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "latency",
-        help="batch latency, TTFT and TPOT (vLLM's `bench latency`)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -46,7 +40,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-json", default=None)
     add_model_args(p)
     add_engine_args(p, model_required=False)
-    p.set_defaults(func=main)
 
 
 def _timed_batch(

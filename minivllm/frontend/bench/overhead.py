@@ -49,13 +49,7 @@ class StreamResult:
         return 1e6 * self.elapsed_s / max(self.steps, 1)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "overhead",
-        help="engine overhead with the null model (tok/s, µs per step, IPC round trip)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--health-calls", type=int, default=2000)
@@ -63,7 +57,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy each process")
     p.add_argument("--output-json", default=None)
     add_engine_args(p, model_required=False)
-    p.set_defaults(func=main)
 
 
 def _prompts(n: int) -> list[str]:

@@ -24,13 +24,7 @@ from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, 
 from minivllm.frontend.bench.workloads import REFERENCE_TEMPERATURE, Workload
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="load an OpenAI-compatible server (vLLM's `bench serve`)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -57,7 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.set_defaults(func=main)
 
 
 def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload, float | None]:
@@ -307,6 +300,6 @@ def _save(args: argparse.Namespace, result: dict[str, Any], model: str, rate: fl
 
 def run(argv: list[str]) -> list[dict[str, Any]]:
     """`minivllm bench serve ARGV` in this process; the result dict of each rate."""
-    parser = argparse.ArgumentParser(prog="minivllm bench")
-    add_parser(parser.add_subparsers())
-    return main(parser.parse_args(["serve", *argv]))
+    parser = argparse.ArgumentParser(prog="minivllm bench serve")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))

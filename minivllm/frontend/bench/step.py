@@ -22,13 +22,7 @@ from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import add_model_args, bench_engine_args, model_dir
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "step",
-        help="host and GPU time of one decode or prefill step of the model runner",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num", type=int, default=256, help="decode: sequences per step")
     p.add_argument("--ctx", type=int, default=1000, help="decode: context tokens of each")
     p.add_argument("--prefill", type=int, default=0, help="time N-token prompts instead")
@@ -36,7 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-sort", choices=["cuda", "cpu"], default="cuda")
     add_model_args(p)
     add_engine_args(p, model_required=False)
-    p.set_defaults(func=main)
 
 
 class StepDriver:

@@ -71,13 +71,7 @@ class RunResult:
         return self.output_tokens / self.elapsed_s
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "throughput",
-        help="offline throughput (vLLM's `bench throughput`)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=["random"], default="random")
     p.add_argument("--num-prompts", type=int, default=None, help="fixed shapes (default 1000)")
     p.add_argument("--input-len", type=int, default=None, help="fixed shapes (default 1024)")
@@ -112,7 +106,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-json", default=None, help="write the figures to this file")
     add_model_args(p)
     add_engine_args(p, model_required=False)
-    p.set_defaults(func=main)
 
 
 CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens

@@ -16,13 +16,7 @@ import tempfile
 import time
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "tp-equality",
-        help="greedy tokens at several tensor-parallel sizes, compared token for token",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--geometry", default="qwen3-8b")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dtype", default="float32")
@@ -30,7 +24,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> bool:

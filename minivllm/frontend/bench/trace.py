@@ -15,15 +15,8 @@ import json
 _DECODE_BUCKETS = (8, 32, 64, 128, 192, 256, 1 << 30)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "trace",
-        help="summarize a MINIVLLM_STEP_TRACE file: time per step kind and batch size",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="the JSON-lines file the engine wrote")
-    p.set_defaults(func=main)
 
 
 def summarize(steps: list[dict]) -> dict[str, list[float]]:
