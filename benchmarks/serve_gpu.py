@@ -91,7 +91,7 @@ def main() -> None:
     from minivllm.frontend.bench import serve as bench_serve
     from minivllm.frontend.bench.common import max_token_id
     from minivllm.frontend.bench.geometry import write_geometry
-    from minivllm.frontend.bench.random_dataset import sample_random
+    from minivllm.frontend.bench.workloads import sample_random
     from minivllm.frontend.server.launch import ServerProcess
 
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -19,24 +19,9 @@ from minivllm.protocol.structured_outputs import (
 _FIELDS = {GrammarKind.JSON: "json", GrammarKind.REGEX: "regex"}
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
 # JSON formats the xgrammar converter enforces; others it would let through unchecked
-_STRING_FORMATS = frozenset(
-    [
-        "email",
-        "date",
-        "time",
-        "date-time",
-        "duration",
-        "ipv4",
-        "ipv6",
-        "hostname",
-        "uuid",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-    ]
-)
+_STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "hostname", "uuid"})
+_STRING_FORMATS |= {"ipv4", "ipv6", "uri", "uri-reference", "uri-template", "json-pointer"}
+_STRING_FORMATS |= {"relative-json-pointer"}
 
 
 def xgrammar() -> Any:

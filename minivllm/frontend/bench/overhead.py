@@ -48,6 +48,10 @@ class StreamResult:
     def step_us(self) -> float:
         return 1e6 * self.elapsed_s / max(self.steps, 1)
 
+    def figures(self, prefix: str) -> dict[str, Any]:
+        names = ("tokens", "elapsed_s", "tokens_per_s", "steps", "step_us")
+        return {f"{prefix}_{name}": getattr(self, name) for name in names}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256)
@@ -203,25 +207,12 @@ def main(args: argparse.Namespace) -> dict:
         print(
             f"IPC round trip (health utility, {len(rtts)} calls): median {median:.0f} µs, p90 {p90:.0f} µs"
         )
-        figures: dict[str, Any] = {
-            "async_tokens": result.tokens,
-            "async_elapsed_s": result.elapsed_s,
-            "async_tokens_per_s": result.tokens_per_s,
-            "async_steps": result.steps,
-            "async_step_us": result.step_us,
-            "health_rtt_median_us": median,
-            "health_rtt_p90_us": p90,
-        }
+        figures = result.figures("async")
+        figures.update(health_rtt_median_us=median, health_rtt_p90_us=p90)
         if not args.skip_sync:
             sync = run_sync(engine_args, args.num_requests, args.output_len)
             _report("LLM.generate (sync)", sync)
-            figures.update(
-                sync_tokens=sync.tokens,
-                sync_elapsed_s=sync.elapsed_s,
-                sync_tokens_per_s=sync.tokens_per_s,
-                sync_steps=sync.steps,
-                sync_step_us=sync.step_us,
-            )
+            figures.update(sync.figures("sync"))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -64,7 +65,7 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
         temperature = REFERENCE_TEMPERATURE if args.temperature is None else args.temperature
         return workload, temperature
     from minivllm.frontend.bench.common import max_token_id
-    from minivllm.frontend.bench.random_dataset import sample_random
+    from minivllm.frontend.bench.workloads import sample_random
 
     max_id = 10000
     if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -86,7 +87,7 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
 def warmups(workload: Workload, n: int) -> Workload:
     """n requests of the workload's median prompt length (16 tokens out), other prompts
     than the workload's, so the prefix cache gives the timed run nothing."""
-    from minivllm.frontend.bench.random_dataset import sample_random
+    from minivllm.frontend.bench.workloads import sample_random
 
     length = int(np.median([len(p) for p in workload.prompts]))
     max_id = max(max(p) for p in workload.prompts)
@@ -199,9 +200,7 @@ async def run_once(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(i: int) -> RequestResult:
-            if semaphore is None:
-                return await _request(session, url, payload(i), len(workload.prompts[i]), headers)
-            async with semaphore:
+            async with semaphore or contextlib.nullcontext():
                 return await _request(session, url, payload(i), len(workload.prompts[i]), headers)
 
         start = time.perf_counter()

@@ -85,42 +85,28 @@ class StatLogger(Protocol):
     def log(self) -> None: ...
 
 
+@dataclass(slots=True)
 class _Group:
     """The n engine requests of one user request."""
 
-    __slots__ = ("n", "unfinished", "max_generation_tokens")
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.unfinished = n
-        self.max_generation_tokens = 0
+    n: int
+    unfinished: int
+    max_generation_tokens: int = 0
 
 
+@dataclass(slots=True)
 class _RequestTimes:
-    __slots__ = (
-        "group",
-        "arrival_time",
-        "num_prompt_tokens",
-        "max_tokens",
-        "queued_ts",
-        "scheduled_ts",
-        "first_token_ts",
-        "last_token_ts",
-        "num_generation_tokens",
-        "num_preemptions",
-        "num_cached_tokens",
-    )
-
-    def __init__(self, request: EngineCoreRequest, group: _Group) -> None:
-        self.group = group
-        self.arrival_time = request.arrival_time
-        self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.max_tokens = request.sampling_params.max_tokens
-        self.queued_ts = self.scheduled_ts = 0.0
-        self.first_token_ts = self.last_token_ts = 0.0
-        self.num_generation_tokens = 0
-        self.num_preemptions = 0
-        self.num_cached_tokens = 0
+    group: _Group
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int | None
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 _QUEUED, _SCHEDULED, _PREEMPTED = (
@@ -142,9 +128,12 @@ class StatsCollector:
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """The engine requests of one user request (n of them for n > 1)."""
-        group = _Group(len(requests))
-        for request in requests:
-            self.requests[request.request_id] = _RequestTimes(request, group)
+        group = _Group(len(requests), len(requests))
+        for r in requests:
+            times = _RequestTimes(
+                group, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens
+            )
+            self.requests[r.request_id] = times
 
     def record(self, outputs: EngineCoreOutputs, ended_here: Iterable[str] = ()) -> None:
         """One batch from the engine-core; `ended_here` are the internal ids the frontend
