@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -62,6 +63,28 @@ def bench_engine_args(
         values["load_format"] = "dummy"
     values.update(overrides)
     return engine_args_from(args, **values)
+
+
+def start_llm(
+    args: argparse.Namespace, model: str, geometry: str | None, max_len: int, **overrides: Any
+) -> Any:
+    """The `LLM` of a bench command (`bench_engine_args`); a geometry's context fits
+    `max_len` tokens (4096 at least) unless --max-model-len says otherwise."""
+    from minivllm.frontend.llm import LLM
+    from minivllm.process_utils import freeze_startup_heap
+
+    if geometry is not None and args.max_model_len is None:
+        overrides["max_model_len"] = max(4096, max_len)
+    llm = LLM(**dataclasses.asdict(bench_engine_args(args, model, geometry, **overrides)))
+    freeze_startup_heap()  # the bench command's own process
+    return llm
+
+
+def write_json(path: str | None, figures: Any) -> None:
+    """The figures as JSON at `path` (--output-json), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=2)
 
 
 def max_token_id(model: str) -> int:

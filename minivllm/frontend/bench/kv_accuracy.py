@@ -15,7 +15,6 @@ CUDA, 8 random prompts of 128 tokens on the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from minivllm.frontend.bench.common import (
     max_token_id,
     model_dir,
     resolve_device,
+    write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
@@ -164,7 +164,5 @@ def main(args: argparse.Namespace) -> dict:
             "mean_kl": agreement.mean_kl,
             "max_kl": agreement.kl_max,
         }
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.output_json, figures)
     return figures

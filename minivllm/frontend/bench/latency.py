@@ -9,9 +9,7 @@ TTFT measures a real one (vLLM's latency bench repeats one prompt).
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -19,13 +17,13 @@ import numpy as np
 from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
     add_model_args,
-    bench_engine_args,
     max_token_id,
     model_dir,
+    start_llm,
+    token_prompts,
+    write_json,
 )
-from minivllm.frontend.bench.common import token_prompts as _token_prompts
 from minivllm.frontend.bench.workloads import random_workload
-from minivllm.process_utils import freeze_startup_heap
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -50,21 +48,15 @@ def _timed_batch(
     batch = random_workload(args.batch_size, args.input_len, max_tokens, seed, max_id)
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True)
     start = time.perf_counter()
-    llm.generate(_token_prompts(batch.prompts), params, use_tqdm=False)
+    llm.generate(token_prompts(batch.prompts), params, use_tqdm=False)
     return time.perf_counter() - start
 
 
 def main(args: argparse.Namespace) -> dict:
-    from minivllm.frontend.llm import LLM
-
     if args.output_len < 2:
         raise SystemExit("--output-len must be at least 2 (TPOT needs a second token)")
     with model_dir(args) as (model, geometry):
-        overrides: dict[str, Any] = {}
-        if geometry is not None and args.max_model_len is None:
-            overrides["max_model_len"] = max(4096, args.input_len + args.output_len)
-        llm = LLM(**asdict(bench_engine_args(args, model, geometry, **overrides)))
-        freeze_startup_heap()  # the bench command's own process
+        llm = start_llm(args, model, geometry, args.input_len + args.output_len)
         config = llm.llm_engine.config
         print(
             f"Model: {geometry or model}; device {config.device.device}, dtype "
@@ -100,7 +92,5 @@ def main(args: argparse.Namespace) -> dict:
         "tpot_s": tpot,
         "device": config.device.device,
     }
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.output_json, figures)
     return figures

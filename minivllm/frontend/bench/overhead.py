@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,7 @@ from typing import Any
 
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
+from minivllm.frontend.bench.common import write_json
 from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
 from minivllm.process_utils import freeze_startup_heap
 
@@ -213,7 +213,5 @@ def main(args: argparse.Namespace) -> dict:
             sync = run_sync(engine_args, args.num_requests, args.output_len)
             _report("LLM.generate (sync)", sync)
             figures.update(sync.figures("sync"))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.output_json, figures)
     return figures

@@ -26,17 +26,18 @@ import argparse
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
     add_model_args,
-    bench_engine_args,
     max_token_id,
     model_dir,
     resolve_device,
+    start_llm,
     token_prompts,
+    write_json,
 )
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
@@ -44,7 +45,6 @@ from minivllm.frontend.bench.workloads import (
     random_workload,
     reference_workload,
 )
-from minivllm.process_utils import freeze_startup_heap
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -226,8 +226,6 @@ def floor_report(
 
 
 def main(args: argparse.Namespace) -> dict:
-    from minivllm.frontend.llm import LLM
-
     figures: dict[str, Any] = {}
     with model_dir(args) as (model, geometry):
         workload = build_workload(args, max_token_id(model), resolve_device(args.device))
@@ -237,8 +235,6 @@ def main(args: argparse.Namespace) -> dict:
         )
         figures["workload"] = workload.name
         overrides: dict[str, Any] = {}
-        if geometry is not None and args.max_model_len is None:
-            overrides["max_model_len"] = max(4096, workload.max_model_len)
         if args.structured_outputs:
             if geometry is not None and args.tokenizer is None:
                 raise SystemExit(
@@ -246,9 +242,7 @@ def main(args: argparse.Namespace) -> dict:
                     "--tokenizer DIR (benchmarks/qwen3_tokenizer.py builds Qwen3's)"
                 )
             overrides["skip_tokenizer_init"] = False
-        engine_args = bench_engine_args(args, model, geometry, **overrides)
-        llm = LLM(**asdict(engine_args))
-        freeze_startup_heap()  # the bench command's own process
+        llm = start_llm(args, model, geometry, workload.max_model_len, **overrides)
         config = llm.llm_engine.config
         what = f"geometry {geometry} (dummy weights)" if geometry else f"model {model}"
         print(
@@ -321,7 +315,5 @@ def main(args: argparse.Namespace) -> dict:
                 hf_output_tokens_per_s=hf.output_tokens_per_s,
                 ratio_to_hf=ratio,
             )
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.output_json, figures)
     return figures
