@@ -60,8 +60,8 @@ class _MPClient:
 
     def __init__(
         self,
-        config: EngineConfig | None,
-        address: str | EngineCoreLaunch | None,
+        config: EngineConfig | None = None,
+        address: str | EngineCoreLaunch | None = None,
         curve: CurveClientKeys | None = None,
     ) -> None:
         """`address`: a daemon's to attach to, or an engine-core launched for this client;
@@ -89,6 +89,11 @@ class _MPClient:
             self._close()
             raise
         self.last_heard = time.monotonic()
+        self._start_io()
+
+    def _start_io(self) -> None:
+        """Set up what the sync or asyncio side needs once the handshake is done."""
+        raise NotImplementedError
 
     @classmethod
     def connect(cls, address: str, curve: CurveClientKeys | None = None) -> Self:
@@ -191,13 +196,7 @@ class _MPClient:
 class SyncMPClient(_MPClient, EngineCoreClient):
     """Blocking client; a small thread keeps the heartbeat going while the caller computes."""
 
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        address: str | EngineCoreLaunch | None = None,
-        curve: CurveClientKeys | None = None,
-    ) -> None:
-        super().__init__(config, address, curve)
+    def _start_io(self) -> None:
         self._send_lock = threading.Lock()
         self._pending: deque[EngineCoreOutputs] = deque()
         self._utility: dict[int, Any] = {}
@@ -277,13 +276,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
 class AsyncMPClient(_MPClient):
     """asyncio client (works under uvloop). Outputs are read by a task started on first use."""
 
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        address: str | EngineCoreLaunch | None = None,
-        curve: CurveClientKeys | None = None,
-    ) -> None:
-        super().__init__(config, address, curve)
+    def _start_io(self) -> None:
         # the handshake used the plain sockets; from here on the event loop owns them
         self.input_async = zmq.asyncio.Socket.from_socket(self.input_sock)
         self.output_async = zmq.asyncio.Socket.from_socket(self.output_sock)
