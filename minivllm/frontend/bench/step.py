@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=0, help="time N-token prompts instead")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--profile-sort", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--profile-trace", default=None, help="also write the profile as a Chrome trace (JSON)"
+    )
     add_model_args(p)
     add_engine_args(p, model_required=False)
 
@@ -173,4 +176,6 @@ def main(args: argparse.Namespace) -> dict:
             out.get()
         sort = "cuda_time_total" if args.profile_sort == "cuda" and cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+        if args.profile_trace:
+            prof.export_chrome_trace(args.profile_trace)
     return figures
