@@ -112,17 +112,15 @@ def _run_engine_core(args: argparse.Namespace) -> None:
         for address in (input_address, output_address):
             check_listen_address(address, curve)
         config = engine_args_from(args).create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "a daemon is one engine-core; for data parallelism start one per rank and "
+                "attach with AsyncLLM.connect([ADDRESS, ...]) or serve --connect A,B"
+            )
     except ValueError as e:
         if ipc_dir is not None:
             transport.cleanup_ipc(ipc_dir)
         raise SystemExit(f"minivllm engine-core: {e}") from None
-    if config.parallel.data_parallel_size > 1:
-        if ipc_dir is not None:
-            transport.cleanup_ipc(ipc_dir)
-        raise SystemExit(
-            "minivllm engine-core: a daemon is one engine-core; for data parallelism start one "
-            "per rank and attach with AsyncLLM.connect([ADDRESS, ...]) or serve --connect A,B"
-        )
     print(f"engine-core address: {input_address}", flush=True)
     try:
         run_engine_core(config, input_address, output_address, daemon=True, curve=curve)

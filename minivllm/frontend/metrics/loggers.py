@@ -60,16 +60,14 @@ class LoggingStatLogger:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_preemptions = 0
-        self.last_prompt_throughput = self.last_generation_throughput = 0.0
+        self.last_throughputs = (0.0, 0.0)  # (prompt, generation) of the previous line
         self.scheduler: SchedulerUpdate | None = None
         self.prefix_cache = PrefixCacheHitRate()
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
-        if iteration is not None:
-            self.num_prompt_tokens += (
-                iteration.num_prompt_tokens - iteration.num_cached_prompt_tokens
-            )
-            self.num_generation_tokens += iteration.num_generation_tokens
+        if (it := iteration) is not None:
+            self.num_prompt_tokens += it.num_prompt_tokens - it.num_cached_prompt_tokens
+            self.num_generation_tokens += it.num_generation_tokens
         if scheduler is not None:
             self.scheduler = scheduler
             self.num_preemptions += scheduler.new_preemptions
@@ -80,18 +78,9 @@ class LoggingStatLogger:
     def log(self) -> None:
         now = time.monotonic()
         elapsed = max(now - self.last_log_time, 1e-9)
-        prompt_throughput = self.num_prompt_tokens / elapsed
-        generation_throughput = self.num_generation_tokens / elapsed
-        idle = not any(
-            (
-                prompt_throughput,
-                generation_throughput,
-                self.last_prompt_throughput,
-                self.last_generation_throughput,
-            )
-        )
-        self.last_prompt_throughput = prompt_throughput
-        self.last_generation_throughput = generation_throughput
+        throughputs = (self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed)
+        idle = not any(throughputs + self.last_throughputs)
+        self.last_throughputs = throughputs
         preemptions = self.num_preemptions
         self.last_log_time = now
         self.num_prompt_tokens = self.num_generation_tokens = self.num_preemptions = 0
@@ -104,8 +93,7 @@ class LoggingStatLogger:
             "Waiting: %d reqs",
         ]
         args: list[object] = [
-            prompt_throughput,
-            generation_throughput,
+            *throughputs,
             scheduler.num_running if scheduler else 0,
             scheduler.num_waiting if scheduler else 0,
         ]
