@@ -27,7 +27,7 @@ from minivllm.protocol.messages import (
     WorkerLoaded,
     WorkerReady,
 )
-from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder, ProtocolError
+from minivllm.protocol.serial import WORKER_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -220,15 +220,7 @@ class MultiprocExecutor(Executor):
         return None
 
     def _decode(self, frames):
-        try:
-            return self.decoder.decode(frames)
-        except ProtocolError as e:
-            logger.warning(
-                "dropped a message on the results socket from %s: %s",
-                transport.peer_of(frames[0]),
-                e,
-            )
-            return None
+        return transport.decode_or_drop(self.decoder, frames, "the results socket")
 
     def fail_hung_step(self, step_id: int | None, what: str, rank: int = 0) -> None:
         """A worker has not answered within execute_timeout: log every worker's stacks, stop

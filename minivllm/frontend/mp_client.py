@@ -44,7 +44,7 @@ from minivllm.protocol.messages import (
     UtilityCall,
     UtilityMethod,
 )
-from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder, ProtocolError
+from minivllm.protocol.serial import CORE_TO_FRONTEND, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -166,15 +166,7 @@ class _MPClient:
     def _decode_output(self, frames) -> EngineCoreOutputs | None:
         """Decode one frame set from the engine; None for heartbeats and noise."""
         self.last_heard = time.monotonic()
-        try:
-            msg = self.decoder.decode(frames)
-        except ProtocolError as e:
-            logger.warning(
-                "dropped a message from the engine-core's side (%s): %s",
-                transport.peer_of(frames[0]),
-                e,
-            )
-            return None
+        msg = transport.decode_or_drop(self.decoder, frames, "the engine-core's output socket")
         if not isinstance(msg, EngineCoreOutputs):
             return None
         if msg.engine_dead is not None:

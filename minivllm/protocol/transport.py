@@ -9,6 +9,7 @@ identity frame; `send_to`/`recv_from` add and strip it.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,9 @@ import zmq.asyncio
 from minivllm.protocol import auth
 from minivllm.protocol.auth import CurveClientKeys, CurveServerKeys
 from minivllm.protocol.limits import MAX_MESSAGE_BYTES
+from minivllm.protocol.serial import ProtocolError
+
+logger = logging.getLogger(__name__)
 
 # Closing a socket waits at most this long for queued messages (a final "engine dead"
 # frame still gets out); shutdown paths pass linger=0 to `close_socket`.
@@ -222,6 +226,17 @@ def peer_of(frame: Any) -> str:
     if host == "localhost" and len(parts) == 3:  # ipc: uid:gid:pid
         return f"pid {parts[2]} (uid {parts[0]})"
     return address
+
+
+def decode_or_drop(decoder: Any, frames: Frames, where: str, who: str = "") -> Any:
+    """`decoder.decode(frames)`, or None for frames that do not decode: such a message is
+    dropped, never fatal, with a warning naming `where` it came in and the peer that sent it."""
+    try:
+        return decoder.decode(frames)
+    except ProtocolError as e:
+        peer = peer_of(frames[0])
+        logger.warning("%sdropped a message on %s from %s: %s", who, where, peer, e)
+        return None
 
 
 async def send_msg_async(sock: zmq.asyncio.Socket, frames: Frames, copy: bool = False) -> None:

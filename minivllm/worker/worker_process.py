@@ -37,7 +37,7 @@ from minivllm.protocol.messages import (
     WorkerLoaded,
     WorkerReady,
 )
-from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder, ProtocolError
+from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.step_profiler import StepProfiler
 
@@ -92,15 +92,9 @@ def serve(
     def recv():
         while True:
             frames = transport.recv_msg(steps)
-            try:
-                return decoder.decode(frames)
-            except ProtocolError as e:
-                logger.warning(
-                    "worker %d dropped a message on its step socket from %s: %s",
-                    rank,
-                    transport.peer_of(frames[0]),
-                    e,
-                )
+            msg = transport.decode_or_drop(decoder, frames, "its step socket", f"worker {rank} ")
+            if msg is not None:
+                return msg
 
     def recv_bitmask() -> GrammarBitmask:
         """A step with structured outputs: the core sends its bitmask next, before any other
