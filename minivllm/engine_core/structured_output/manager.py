@@ -167,13 +167,8 @@ class StructuredOutputManager:
                     failed.append((req_id, f"structured_outputs: {e}"))
             elif now - state.submitted > self.compile_timeout_s:
                 del self.waiting[req_id]
-                failed.append(
-                    (
-                        req_id,
-                        f"structured_outputs: the grammar did not compile within "
-                        f"{self.compile_timeout_s:.0f} s",
-                    )
-                )
+                late = f"the grammar did not compile within {self.compile_timeout_s:.0f} s"
+                failed.append((req_id, f"structured_outputs: {late}"))
         return failed
 
     def wait(self, timeout: float) -> None:
