@@ -11,6 +11,7 @@ would block forever in its next collective, so the engine-core tears all ranks d
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import logging
 import os
@@ -86,8 +87,7 @@ def serve(
     )
     sender.start()
 
-    def send(msg) -> None:
-        outbox.put(msg)
+    send = outbox.put
 
     def recv():
         while True:
@@ -181,13 +181,9 @@ def _rendezvous(rank: int, send, recv, host: str):
     msg = recv()
     if not isinstance(msg, Rendezvous):
         raise RuntimeError(f"worker {rank}: expected the rendezvous address, got {msg!r}")
-    return dist.TCPStore(msg.host, msg.port, is_master=False, timeout=_timedelta(60))
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
+    return dist.TCPStore(
+        msg.host, msg.port, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
 
 
 def _log_failure(rank: int) -> str:
