@@ -1,11 +1,21 @@
-"""CUDA graphs of the whole decode forward (embedding, every layer, attention, final norm),
-one per padded batch size.
+"""CUDA graphs of the whole forward (embedding, every layer, attention, final norm).
 
-A pure-decode step of n sequences replays the graph of the smallest captured size B >= n.
 The graphs read their inputs from the runner's persistent device buffers (`StepBuffers`),
-so a replay costs one launch (5 µs for ~300 kernels) instead of ~300 launches. Rows n..B-1
-are padding: slot -1 (their keys/values are stored nowhere) and sequence length 0 (the
-decode kernel reads no keys for them and writes zeros).
+so a replay costs one launch (5 µs for ~300 kernels) instead of ~300 launches, each of
+which costs the host 10-40 µs (an eager 512-token prefill of Qwen3-0.6B on an H100: 2 ms
+of kernels behind 22 ms of launches).
+
+- A pure-decode step of n sequences replays the graph of the smallest captured batch size
+  B >= n (plain, or cascade when its rows share a prefix). Rows n..B-1 are padding: slot -1
+  (their keys/values are stored nowhere) and sequence length 0 (the decode kernel reads no
+  keys for them and writes zeros).
+- A step of only prompts -- at most `PREFILL_GRAPH_SEQS` of them, `total` tokens in all --
+  replays the prefill graph of the smallest captured token count T >= total. Tokens
+  total..T-1 are padding (slot -1, belonging to no sequence: attention never computes them,
+  and no row of the GEMMs or norms mixes with another); sequences n.. have no query
+  tokens, so their attention programs return at once. The prefill kernel's grid is fixed
+  by T and the sequence count, not by this step's prompt lengths.
+Any other step (mixed decodes and prompts, or longer) runs eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from minivllm.worker.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +40,41 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+PREFILL_GRAPH_SEQS = 4  # prompts per prompt-only step that a prefill graph covers
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # token counts of the prefill graphs
+
+
+def prefill_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The prefill graphs' token counts that a step may schedule."""
+    return [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens]
+
+
+def step_metadata(
+    d: object, num_tokens: int, num_seqs: int, num_decodes: int, block_size: int, max_len: int,
+    cascade: bool = False,
+) -> AttentionMetadata:  # fmt: skip
+    """The metadata of a captured forward over the static device views `d` (StepBuffers.dev):
+    every length is read on the device, only the shapes are fixed."""
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_decodes=num_decodes,
+        max_query_len=1 if num_decodes else num_tokens,
+        max_seq_len=max_len,
+        query_start_loc=d.query_start_loc[: num_seqs + 1],
+        seq_lens=d.seq_lens[:num_seqs],
+        block_table=d.block_table[:num_seqs],
+        slot_mapping=d.slot_mapping[:num_tokens],
+        block_size=block_size,
+        decode_order=d.decode_order[:num_decodes] if num_decodes else None,
+        cascade_prefix_len=d.cascade_prefix_len if cascade else None,
+    )
+
+
+class StepGraphs:
+    """The graphs of one kind of step, keyed by their padded size (decode: rows; prefill:
+    tokens)."""
+
     def __init__(self, name: str = "decode") -> None:
         self.name = name
         self.pool: object = None
@@ -38,8 +84,7 @@ class DecodeGraphs:
     def capture(
         self, forward: Callable[[int], torch.Tensor], sizes: list[int], pool: object = None
     ) -> None:
-        """Capture `forward(B)` (the decode forward of B rows over the static buffers) for
-        each size; the largest first, so the smaller ones reuse its memory pool (or `pool`,
+        """Capture `forward(B)` (the forward of size B over the static buffers) for each size; the largest first, so the smaller ones reuse its memory pool (or `pool`,
         that of other graphs: only one graph runs at a time)."""
         start = time.monotonic()
         torch.cuda.synchronize()
@@ -57,7 +102,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         used = free_before - torch.cuda.mem_get_info()[0]
         logger.info(
-            "captured %d CUDA graphs for %s batch sizes %s in %.1f s, using %.2f GiB",
+            "captured %d CUDA graphs for %s sizes %s in %.1f s, using %.2f GiB",
             len(sizes),
             self.name,
             _ranges(self.sizes),
@@ -71,10 +116,65 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size`; returns its output (hidden states [size, hidden])."""
+        """Run the graph of `size`; returns its output (hidden states [size, hidden]), which
+        the next replay of a graph of the same pool overwrites."""
         graph, out = self._graphs[size]
         graph.replay()
         return out
+
+
+class RunnerGraphs:
+    """Every graph a model runner replays, and which one a step's shape takes. `forward`
+    (num_tokens, num_seqs, num_decodes, cascade) runs the model over the static buffers."""
+
+    def __init__(self, max_num_seqs: int, cascade: bool, prefill: bool) -> None:
+        self.decode = StepGraphs()
+        # decode steps whose rows share a cached prefix attend it once (attention/cascade.py);
+        # their graphs are captured for fewer sizes (padding rows cost little at those sizes)
+        self.cascade = StepGraphs("cascade decode")
+        self.prefill = StepGraphs("prefill")  # none captured: prompts run eagerly
+        self.with_cascade, self.with_prefill = cascade, prefill
+        self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
+
+    def capture(
+        self, forward: Callable[..., torch.Tensor], d: object, max_num_seqs: int, max_tokens: int
+    ) -> None:
+        """Capture every graph over the device views `d`, which hold what padding holds at
+        replay: no KV slot, no context, no query tokens."""
+        d.slot_mapping.fill_(-1)
+        d.seq_lens.zero_()
+        d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
+        d.input_ids.zero_()
+        d.positions.zero_()
+        d.cascade_prefix_len.zero_()
+        d.query_start_loc.zero_()
+        sizes = capture_sizes(min(max_num_seqs, max_tokens))
+        self.decode.capture(lambda b: forward(b, b, b), sizes)
+        pool = self.decode.pool  # one step runs at a time: every graph shares one pool
+        if self.with_cascade:
+            cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
+            if cascade_sizes[-1] != sizes[-1]:
+                cascade_sizes.append(sizes[-1])
+            self.cascade.capture(lambda b: forward(b, b, b, True), cascade_sizes, pool)
+        if self.with_prefill:
+            prefill_sizes = prefill_capture_sizes(max_tokens)
+            self.prefill.capture(lambda t: forward(t, self.prefill_seqs, 0), prefill_sizes, pool)
+
+    def pick(
+        self, n: int, nd: int, total: int, cascade: bool
+    ) -> tuple[StepGraphs | None, int, int]:
+        """The graphs that run a step of n sequences (nd of them decodes, `total` tokens),
+        with its padded token and sequence counts; (None, total, n): run it eagerly."""
+        if nd == n:
+            graphs = self.cascade if cascade else self.decode
+            size = graphs.padded_size(n)
+            if size is not None:
+                return graphs, size, size
+        elif nd == 0 and n <= self.prefill_seqs:
+            size = self.prefill.padded_size(total)
+            if size is not None:
+                return self.prefill, size, self.prefill_seqs
+        return None, total, n
 
 
 def _ranges(sizes: list[int]) -> str:

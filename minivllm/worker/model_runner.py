@@ -10,7 +10,6 @@ async scheduling the host prepares step N+1 while the GPU runs step N.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, Schedu
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.cascade import use_cascade
 from minivllm.worker.attention.metadata import AttentionMetadata, one_prompt_metadata
-from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from minivllm.worker.cuda_graphs import RunnerGraphs, StepGraphs, step_metadata
 from minivllm.worker.grammar_bitmask import GrammarBitmasks
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
@@ -76,11 +75,10 @@ class ModelRunner:
             and not config.device.enforce_eager
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
-        self.graphs = DecodeGraphs()
-        # decode steps whose rows share a cached prefix attend it once (attention/cascade.py);
-        # their graphs are captured for fewer sizes (padding rows cost little at those sizes)
+        # steps of a few short prompts (a batch-1 TTFT) replay graphs too: the Triton prefill
+        # kernel's grid is fixed by the padded shape; other backends run prompts eagerly
         self.cascade = self.attn_backend_name == "triton" and not config.model.disable_cascade_attn
-        self.cascade_graphs = DecodeGraphs("cascade decode")
+        self.graphs = RunnerGraphs(max_seqs, self.cascade, self.attn_backend_name == "triton")
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False
         self.sampler = Sampler(tp.size, config.model.logprobs_mode)
@@ -167,42 +165,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        d = self.buffers.dev
-        # what padding rows hold at replay too: no KV slot, no context
-        d.slot_mapping.fill_(-1)
-        d.seq_lens.zero_()
-        d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
-        d.input_ids.zero_()
-        d.positions.zero_()
-        d.cascade_prefix_len.zero_()
         sched = self.config.scheduler
-        sizes = capture_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens))
-        self.graphs.capture(self._decode_forward, sizes)
-        if self.cascade:
-            cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
-            if cascade_sizes[-1] != sizes[-1]:
-                cascade_sizes.append(sizes[-1])
-            forward = functools.partial(self._decode_forward, cascade=True)
-            self.cascade_graphs.capture(forward, cascade_sizes, self.graphs.pool)
-
-    def _decode_forward(self, size: int, cascade: bool = False) -> torch.Tensor:
-        """The forward of `size` decode rows over the static device buffers."""
-        d = self.buffers.dev
-        meta = AttentionMetadata(
-            num_tokens=size,
-            num_seqs=size,
-            num_decodes=size,
-            max_query_len=1,
-            max_seq_len=self.config.model.max_model_len,
-            query_start_loc=d.query_start_loc[: size + 1],
-            seq_lens=d.seq_lens[:size],
-            block_table=d.block_table[:size],
-            slot_mapping=d.slot_mapping[:size],
-            block_size=self.block_size,
-            decode_order=d.decode_order[:size],
-            cascade_prefix_len=d.cascade_prefix_len if cascade else None,
+        self.graphs.capture(
+            self._static_forward, self.buffers.dev, sched.max_num_seqs, sched.max_num_batched_tokens
         )
-        return self.model(d.input_ids[:size], d.positions[:size], self.kv_caches, meta)
+
+    def _static_forward(
+        self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
+    ) -> torch.Tensor:
+        """The forward of a step of this shape over the static device buffers."""
+        d, max_len = self.buffers.dev, self.config.model.max_model_len
+        meta = step_metadata(
+            d, num_tokens, num_seqs, num_decodes, self.block_size, max_len, cascade
+        )
+        return self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], self.kv_caches, meta)
 
     def execute_model(
         self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
@@ -221,11 +197,11 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput(so.step_id, [], [], None)
         self._apply_older_outputs()
-        states, sample_idx, meta, padded, sampling = self._prepare_inputs(so)
+        states, sample_idx, meta, replay, sampling = self._prepare_inputs(so)
         d = self.buffers.dev
-        if padded:
-            cascade = meta.cascade_prefix_len is not None
-            hidden = (self.cascade_graphs if cascade else self.graphs).replay(padded)
+        if replay is not None:
+            graphs, size = replay
+            hidden = graphs.replay(size)
         else:
             n = meta.num_tokens
             hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
@@ -281,11 +257,13 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, so: SchedulerOutput
-    ) -> tuple[list[RequestState], list[int], AttentionMetadata, int | None, SamplingMetadata]:
+    ) -> tuple[
+        list[RequestState], list[int], AttentionMetadata, tuple[StepGraphs, int] | None,
+        SamplingMetadata,
+    ]:  # fmt: skip
         """Fill and copy the step buffers. Returns the scheduled requests (single-token ones
-        first), the indices of those that sample, the attention metadata, the padded
-        batch size of the CUDA graph to replay (None: run eagerly) and the sampling rows'
-        metadata."""
+        first), the indices of those that sample, the attention metadata, the CUDA graphs
+        and size to replay (None: run eagerly) and the sampling rows' metadata."""
         reqs = self.batch.requests
         decodes, others, other_lens = [], [], []
         for req_id, q in so.num_scheduled_tokens.items():
@@ -305,8 +283,9 @@ class ModelRunner:
         seq_lens = computed + q_lens
         total = int(so.total_num_scheduled_tokens)
         cascade = self._cascade_prefix_len(so, computed[:nd], mixed=nd < n)
-        graphs = self.cascade_graphs if cascade else self.graphs
-        padded = graphs.padded_size(n) if self.use_graphs and nd == n else None
+        graphs, pad_tokens, pad_seqs = None, total, n
+        if self.use_graphs and not (self._calculate_kv_scales and nd < n):
+            graphs, pad_tokens, pad_seqs = self.graphs.pick(n, nd, total, bool(cascade))
 
         h = self.buffers.next_host()
         bs, b = self.block_size, self.batch
@@ -324,17 +303,16 @@ class ModelRunner:
         h.slot_mapping[:total] = b.block_table[tok_rows, positions // bs] * bs + positions % bs
         h.seq_lens[:n] = seq_lens
         h.cascade_prefix_len[0] = cascade
-        if padded:
-            h.input_ids[total:padded] = 0
-            h.positions[total:padded] = 0
-            h.slot_mapping[total:padded] = -1
-            h.seq_lens[n:padded] = 0
-            h.query_start_loc[n + 1 : padded + 1] = total
+        if graphs is not None:  # padding tokens store no KV; padding rows have no context
+            h.input_ids[total:pad_tokens] = 0
+            h.positions[total:pad_tokens] = 0
+            h.slot_mapping[total:pad_tokens] = -1
+            h.seq_lens[n:pad_seqs] = 0
+            h.query_start_loc[n + 1 : pad_seqs + 1] = total
         if self.buffers.on_cuda and nd:
             # the attention kernels start the longest contexts first (padding rows last)
             h.decode_order[:nd] = np.argsort(-seq_lens[:nd], kind="stable")
-            if padded:
-                h.decode_order[nd:padded] = np.arange(nd, padded)
+            h.decode_order[nd:pad_seqs] = np.arange(nd, pad_seqs)
         width = -(-int(seq_lens.max()) // bs)
         h.block_table[:n, :width] = b.block_table[rows, :width]
 
@@ -356,7 +334,7 @@ class ModelRunner:
             h.gather_src[g] = j
         h.gather_dst[: len(in_flight)] = cu[1:][in_flight] - 1
 
-        self.buffers.copy_to_device(max(n, padded or 0))
+        self.buffers.copy_to_device(pad_seqs)
         d = self.buffers.dev
         if len(in_flight):
             g = len(in_flight)
@@ -380,7 +358,8 @@ class ModelRunner:
         )
         if self._calculate_kv_scales and nd < n:  # the first step with prompt tokens
             meta.compute_kv_scales, self._calculate_kv_scales = True, False
-        return states, sample_idx.tolist(), meta, padded, sampling
+        replay = (graphs, pad_tokens) if graphs is not None else None
+        return states, sample_idx.tolist(), meta, replay, sampling
 
     def _cascade_prefix_len(
         self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False

@@ -34,7 +34,7 @@ def shared_prefix_run(
     core = EngineCore(engine_args.create_engine_config())
     runner = core.executor.worker.model_runner
     chosen: list[int] = []
-    decide, replay, replays = runner._cascade_prefix_len, runner.cascade_graphs.replay, []
+    decide, replay, replays = runner._cascade_prefix_len, runner.graphs.cascade.replay, []
 
     def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
         chosen.append(decide(so, computed, mixed))
@@ -44,7 +44,7 @@ def shared_prefix_run(
         replays.append(size)
         return replay(size)
 
-    runner._cascade_prefix_len, runner.cascade_graphs.replay = spy, count
+    runner._cascade_prefix_len, runner.graphs.cascade.replay = spy, count
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     got: dict[str, list[int]] = {}
     try:

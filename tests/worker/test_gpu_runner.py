@@ -134,6 +134,58 @@ def test_cuda_graphs_give_the_eager_tokens(small_dir: str) -> None:
         assert graphs == eager
 
 
+def prompt_by_prompt(
+    path: str, groups: list[list[list[int]]], params: SamplingParams, dtype: str, **kw
+):
+    """Each group of prompts run alone (its first step carries only its prompts), in turn;
+    the tokens, and the token counts of the prefill graphs replayed."""
+    args = EngineArgs(
+        model=path, device="cuda", max_model_len=1024, kv_cache_memory_bytes=1 << 30,
+        dtype=dtype, distributed_executor_backend="uni", **kw,
+    )  # fmt: skip
+    core = EngineCore(args.create_engine_config())
+    prefill = core.executor.worker.model_runner.graphs.prefill
+    replay, replayed = prefill.replay, []
+    prefill.replay = lambda size: replayed.append(size) or replay(size)
+    got: dict[str, list[int]] = {}
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            core.add_request(EngineCoreRequest(f"{g}.{i}", p, params))
+        while core.has_work():
+            for outs in core.step().values():
+                for o in outs.outputs:
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    core.shutdown()
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [got[f"{g}.{i}"] for g, group in enumerate(groups) for i in range(len(group))], replayed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_graphs_give_the_eager_tokens(small_dir: str, dtype: str) -> None:
+    """Prompt-only steps of <= 512 tokens and <= 4 prompts replay a prefill graph (the
+    batch-1 TTFT path), prompts partly served from the prefix cache too."""
+    rng = random.Random(5)
+    ps = [[rng.randint(1, VOCAB_SIZE - 1) for _ in range(n)] for n in (5, 17, 100, 300, 512)]
+    longer = [rng.randint(1, VOCAB_SIZE - 1) for _ in range(700)]  # past the largest graph
+    groups = (
+        [[p] for p in ps]
+        + [
+            [ps[3] + [9, 8, 7]],  # 288 tokens cached, the rest computed
+            [ps[0] + ps[1], ps[2][:60], ps[4][:200]],  # three prompts in one step
+            [longer],
+        ]
+    )
+    for params in (GREEDY, SAMPLED):
+        graphs, replayed = prompt_by_prompt(small_dir, groups, params, dtype)
+        eager, none = prompt_by_prompt(small_dir, groups, params, dtype, enforce_eager=True)
+        assert graphs == eager
+        assert none == []
+        # the fresh prompts by their length, then the two groups with cached prefixes
+        assert replayed[:5] == [16, 32, 128, 512, 512] and len(replayed) == 7, replayed
+
+
 def test_flash_attn_decode_graphs_give_the_eager_tokens(
     small_dir: str, monkeypatch, caplog: pytest.LogCaptureFixture
 ) -> None:

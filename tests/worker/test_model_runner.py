@@ -13,7 +13,13 @@ import torch
 from minivllm.config import EngineArgs
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
-from minivllm.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from minivllm.worker.cuda_graphs import (
+    PREFILL_GRAPH_SEQS,
+    RunnerGraphs,
+    StepGraphs,
+    capture_sizes,
+    prefill_capture_sizes,
+)
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.worker import Worker
 from tests.hf_reference import hf_greedy
@@ -109,13 +115,35 @@ def test_step_buffers_views_share_one_buffer() -> None:
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 20, 256])
 def test_decode_graphs_cover_every_batch_with_little_padding(max_num_seqs: int) -> None:
-    graphs = DecodeGraphs()
+    graphs = StepGraphs()
     graphs.sizes = capture_sizes(max_num_seqs)  # as `capture` sets them
     for n in range(1, max_num_seqs + 1):
         padded = graphs.padded_size(n)
         assert padded is not None and n <= padded <= max_num_seqs
         assert padded - n < 8 and padded <= 2 * n  # padding rows are wasted work
     assert graphs.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly
+
+
+def test_steps_pick_the_graph_of_their_shape() -> None:
+    graphs = RunnerGraphs(max_num_seqs=256, cascade=True, prefill=True)
+    graphs.decode.sizes = capture_sizes(256)  # as `capture` sets them
+    graphs.cascade.sizes = [8, 16, 32, 64, 128, 256]
+    graphs.prefill.sizes = prefill_capture_sizes(8192)
+    assert graphs.pick(n=5, nd=5, total=5, cascade=False) == (graphs.decode, 8, 8)
+    assert graphs.pick(n=5, nd=5, total=5, cascade=True) == (graphs.cascade, 8, 8)
+    # one 512-token prompt (a batch-1 TTFT): the prefill graph of 512 tokens, 4 sequences
+    assert graphs.pick(n=1, nd=0, total=512, cascade=False) == (graphs.prefill, 512, 4)
+    assert graphs.pick(n=3, nd=0, total=40, cascade=False) == (graphs.prefill, 64, 4)
+    # longer prompts, more prompts than the graphs hold, prompts beside decodes: eager
+    assert graphs.pick(n=1, nd=0, total=513, cascade=False) == (None, 513, 1)
+    n = PREFILL_GRAPH_SEQS + 1
+    assert graphs.pick(n=n, nd=0, total=50, cascade=False) == (None, 50, n)
+    assert graphs.pick(n=3, nd=2, total=40, cascade=False) == (None, 40, 3)
+    assert graphs.pick(n=300, nd=300, total=300, cascade=False) == (None, 300, 300)
+    small = RunnerGraphs(max_num_seqs=2, cascade=False, prefill=True)
+    small.prefill.sizes = prefill_capture_sizes(100)
+    assert small.prefill.sizes == [16, 32, 64]
+    assert small.pick(n=2, nd=0, total=64, cascade=False) == (small.prefill, 64, 2)
 
 
 def test_attention_backend_is_chosen_by_env(qwen3_dir: str, monkeypatch) -> None:

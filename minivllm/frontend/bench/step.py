@@ -161,8 +161,8 @@ def main(args: argparse.Namespace) -> dict:
         print(f"  host launch {host / args.steps * 1e3:.2f} ms/step")
         figures.update(wall_ms=wall * 1e3, host_ms=host / args.steps * 1e3)
         if cuda and runner.use_graphs and not args.prefill:
-            size = runner.graphs.padded_size(num)
-            replay = _gpu_ms(lambda: runner.graphs.replay(size))
+            size = runner.graphs.decode.padded_size(num)
+            replay = _gpu_ms(lambda: runner.graphs.decode.replay(size))
             print(f"  graph replay (B={size}) GPU {replay:.2f} ms")
             figures["graph_replay_ms"] = replay
         from torch.profiler import ProfilerActivity, profile

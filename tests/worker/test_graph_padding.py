@@ -1,0 +1,83 @@
+"""The padding of steps that replay CUDA graphs, checked on the CPU: the Triton backend runs
+in the interpreter and a "replay" runs the captured forward eagerly over the same static
+buffers, so what is checked is what a replayed step computes -- padded tokens that store no
+KV, padded sequences without queries, the fixed prefill grid -- against plain eager steps.
+tests/worker/test_gpu_runner.py checks the graphs themselves on a GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tests.triton_interpreter import needs_triton, run_interpreted
+
+
+def tokens(model: str, groups: list[list[list[int]]], graphs: bool) -> tuple[list, list]:
+    from minivllm.config import EngineArgs
+    from minivllm.engine_core.engine_core import EngineCore
+    from minivllm.protocol.messages import EngineCoreRequest
+    from minivllm.protocol.sampling_params import SamplingParams
+    from minivllm.worker import cuda_graphs, model_runner
+
+    replayed: list[tuple[str, int]] = []
+
+    class EagerGraphs(cuda_graphs.StepGraphs):
+        def capture(self, forward, sizes, pool=None) -> None:  # noqa: ANN001
+            self.forward, self.sizes = forward, sorted(sizes)
+
+        def replay(self, size: int):  # noqa: ANN201
+            replayed.append((self.name, size))
+            return self.forward(size)
+
+    init = model_runner.ModelRunner.__init__
+
+    def init_with_graphs(self, *args, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
+        init(self, *args, **kw)
+        self.use_graphs = graphs
+
+    model_runner.ModelRunner.__init__ = init_with_graphs
+    cuda_graphs.StepGraphs = EagerGraphs
+    args = EngineArgs(model=model, distributed_executor_backend="uni", dtype="float32")
+    core = EngineCore(args.create_engine_config())
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            core.add_request(EngineCoreRequest(f"{g}.{i}", p, params))
+        while core.has_work():
+            for outs in core.step().values():
+                for o in outs.outputs:
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    core.shutdown()
+    model_runner.ModelRunner.__init__ = init
+    return [got[f"{g}.{i}"] for g, group in enumerate(groups) for i in range(len(group))], replayed
+
+
+def check_padded_steps_give_the_eager_tokens() -> None:
+    import random
+    import tempfile
+
+    from tests.tiny_models import VOCAB_SIZE, build_checkpoint
+
+    model = build_checkpoint(tempfile.mkdtemp(), "qwen3")
+    rng = random.Random(3)
+    ps = [[rng.randint(1, VOCAB_SIZE - 1) for _ in range(n)] for n in (5, 40, 70)]
+    groups = [[ps[0]], [ps[1], ps[2][:20]], [ps[1] + [7, 8]], ps]
+    padded, replayed = tokens(model, groups, graphs=True)
+    eager, none = tokens(model, groups, graphs=False)
+    assert padded == eager and all(len(t) == 3 for t in eager), (padded, eager)
+    assert none == []
+    prefill = [size for name, size in replayed if name == "prefill"]
+    # 5 tokens; 60; 42 with 32 of them cached (10); 115 (ps[0] and ps[2][:20] cached too)
+    assert prefill[:2] == [16, 64] and len(prefill) == 4, replayed
+    assert ("decode", 1) in replayed and ("decode", 4) in replayed, replayed
+
+
+@needs_triton
+def test_padded_steps_give_the_eager_tokens_interpreted() -> None:
+    run_interpreted(__file__, timeout=400)
+
+
+if __name__ == "__main__":  # the interpreted run
+    os.environ["MINIVLLM_ATTENTION_BACKEND"] = "triton"
+    sys.exit(check_padded_steps_give_the_eager_tokens())
