@@ -51,7 +51,11 @@ def paged_batch(
     kv_cache = torch.randn(2, num_blocks, BLOCK, HKV, D, device=DEV)
     kv_scale = torch.tensor([0.02, 0.01], device=DEV) if fp8 else None
     if fp8:
-        kv_cache = torch.stack([(kv_cache[i] / kv_scale[i]).to(FP8) for i in range(2)])
+        # e4m3 holds |x| <= 448 and torch's conversion turns anything past that into NaN
+        # (the engine's store saturates): clamp as the store does
+        kv_cache = torch.stack(
+            [(kv_cache[i] / kv_scale[i]).clamp(-448, 448).to(FP8) for i in range(2)]
+        )
     else:
         kv_cache = kv_cache.to(torch.bfloat16)
     slots = []
