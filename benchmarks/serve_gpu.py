@@ -119,7 +119,8 @@ def main() -> None:
 
         server_args = [model, "--load-format", "dummy", "--skip-tokenizer-init"]
         server_args += ["--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log"]
-        with ServerProcess(server_args, env=env) as server:
+        log_path = os.path.join(tempfile.gettempdir(), f"minivllm-serve-{os.getpid()}.log")
+        with ServerProcess(server_args, log_path=log_path, env=env) as server:
             common = [
                 "--base-url",
                 server.url,
