@@ -16,6 +16,7 @@ from minivllm.config import EngineArgs
 from minivllm.engine_core.engine_core import EngineCore
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
+from tests.engine_groups import run_groups
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -147,19 +148,12 @@ def prompt_by_prompt(
     prefill = core.executor.worker.model_runner.graphs.prefill
     replay, replayed = prefill.replay, []
     prefill.replay = lambda size: replayed.append(size) or replay(size)
-    got: dict[str, list[int]] = {}
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group):
-            core.add_request(EngineCoreRequest(f"{g}.{i}", p, params))
-        while core.has_work():
-            for outs in core.step().values():
-                for o in outs.outputs:
-                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    tokens = run_groups(core, groups, params)
     core.shutdown()
     del core
     gc.collect()
     torch.cuda.empty_cache()
-    return [got[f"{g}.{i}"] for g, group in enumerate(groups) for i in range(len(group))], replayed
+    return tokens, replayed
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

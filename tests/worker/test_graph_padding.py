@@ -15,9 +15,9 @@ from tests.triton_interpreter import needs_triton, run_interpreted
 def tokens(model: str, groups: list[list[list[int]]], graphs: bool) -> tuple[list, list]:
     from minivllm.config import EngineArgs
     from minivllm.engine_core.engine_core import EngineCore
-    from minivllm.protocol.messages import EngineCoreRequest
     from minivllm.protocol.sampling_params import SamplingParams
     from minivllm.worker import cuda_graphs, model_runner
+    from tests.engine_groups import run_groups
 
     replayed: list[tuple[str, int]] = []
 
@@ -40,17 +40,10 @@ def tokens(model: str, groups: list[list[list[int]]], graphs: bool) -> tuple[lis
     args = EngineArgs(model=model, distributed_executor_backend="uni", dtype="float32")
     core = EngineCore(args.create_engine_config())
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    got: dict[str, list[int]] = {}
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group):
-            core.add_request(EngineCoreRequest(f"{g}.{i}", p, params))
-        while core.has_work():
-            for outs in core.step().values():
-                for o in outs.outputs:
-                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    tokens = run_groups(core, groups, params)
     core.shutdown()
     model_runner.ModelRunner.__init__ = init
-    return [got[f"{g}.{i}"] for g, group in enumerate(groups) for i in range(len(group))], replayed
+    return tokens, replayed
 
 
 def check_padded_steps_give_the_eager_tokens() -> None:
