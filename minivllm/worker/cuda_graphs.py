@@ -84,8 +84,9 @@ class StepGraphs:
     def capture(
         self, forward: Callable[[int], torch.Tensor], sizes: list[int], pool: object = None
     ) -> None:
-        """Capture `forward(B)` (the forward of size B over the static buffers) for each size; the largest first, so the smaller ones reuse its memory pool (or `pool`,
-        that of other graphs: only one graph runs at a time)."""
+        """Capture `forward(B)` (the forward of size B over the static buffers) for each
+        size; the largest first, so the smaller ones reuse its memory pool (or `pool`, that
+        of other graphs: only one graph runs at a time)."""
         start = time.monotonic()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

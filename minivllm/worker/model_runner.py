@@ -283,8 +283,10 @@ class ModelRunner:
         seq_lens = computed + q_lens
         total = int(so.total_num_scheduled_tokens)
         cascade = self._cascade_prefix_len(so, computed[:nd], mixed=nd < n)
+        # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
+        compute_kv_scales = self._calculate_kv_scales and nd < n
         graphs, pad_tokens, pad_seqs = None, total, n
-        if self.use_graphs and not (self._calculate_kv_scales and nd < n):
+        if self.use_graphs and not compute_kv_scales:
             graphs, pad_tokens, pad_seqs = self.graphs.pick(n, nd, total, bool(cascade))
 
         h = self.buffers.next_host()
@@ -356,7 +358,7 @@ class ModelRunner:
             decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
             cascade_prefix_len=d.cascade_prefix_len if cascade else None,
         )
-        if self._calculate_kv_scales and nd < n:  # the first step with prompt tokens
+        if compute_kv_scales:
             meta.compute_kv_scales, self._calculate_kv_scales = True, False
         replay = (graphs, pad_tokens) if graphs is not None else None
         return states, sample_idx.tolist(), meta, replay, sampling
