@@ -24,7 +24,21 @@ def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """A linear layer whose parameters hold this rank's slice of the checkpoint's along
+    `split_dim` (0: output rows, 1: input columns)."""
+
+    split_dim = 0
+    tp: TPGroup
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
+        n = param.shape[self.split_dim]
+        copy_checked(param.data, narrow(loaded, self.split_dim, self.tp.rank * n, n))
+
+
+class ColumnParallelLinear(_SplitLinear):
     """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
 
     def __init__(
@@ -37,22 +51,9 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.input_size = input_size
-        self.output_size_per_rank = divide(output_size, tp.size)
-        self.weight = _param(
-            self.output_size_per_rank, input_size, dtype=params_dtype, loader=self.weight_loader
-        )
-        self.bias = (
-            _param(self.output_size_per_rank, dtype=params_dtype, loader=self.weight_loader)
-            if bias
-            else None
-        )
-
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
-        rows = param.shape[0]
-        copy_checked(param.data, narrow(loaded, 0, self.tp.rank * rows, rows))
+        rows = divide(output_size, tp.size)
+        self.weight = _param(rows, input_size, dtype=params_dtype, loader=self.weight_loader)
+        self.bias = _param(rows, dtype=params_dtype, loader=self.weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -133,11 +134,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(dst, narrow(loaded, 0, src_rank * rows, rows))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
     output of a column-parallel layer). With TP the result is this rank's partial product
     (rank 0's carrying the bias), a `PartialSum` that its consumer sums over the ranks: the
     next RMSNorm, in the same kernel as its residual add and norm."""
+
+    split_dim = 1
 
     def __init__(
         self,
@@ -149,20 +152,12 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.input_size_per_rank = divide(input_size, tp.size)
-        self.weight = _param(
-            output_size, self.input_size_per_rank, dtype=params_dtype, loader=self.weight_loader
-        )
+        cols = divide(input_size, tp.size)
+        self.weight = _param(output_size, cols, dtype=params_dtype, loader=self.weight_loader)
         # the bias is replicated: every rank holds all of it, added once (by rank 0)
         self.bias = (
             _param(output_size, dtype=params_dtype, loader=default_weight_loader) if bias else None
         )
-
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"RowParallelLinear is not stacked, got shard_id {shard_id!r}")
-        cols = param.shape[1]
-        copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor | PartialSum:
         y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
