@@ -25,21 +25,10 @@ def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
 
 
 class _SplitLinear(nn.Module):
-    """A linear layer whose parameters hold this rank's slice of the checkpoint's along
-    `split_dim` (0: output rows, 1: input columns)."""
+    """y = x W^T + b with W [output_size, input_size] split across the ranks along
+    `split_dim` (0: output rows, 1: input columns); each rank loads its slice."""
 
     split_dim = 0
-    tp: TPGroup
-
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
-        n = param.shape[self.split_dim]
-        copy_checked(param.data, narrow(loaded, self.split_dim, self.tp.rank * n, n))
-
-
-class ColumnParallelLinear(_SplitLinear):
-    """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
 
     def __init__(
         self,
@@ -51,9 +40,23 @@ class ColumnParallelLinear(_SplitLinear):
     ) -> None:
         super().__init__()
         self.tp = tp
-        rows = divide(output_size, tp.size)
-        self.weight = _param(rows, input_size, dtype=params_dtype, loader=self.weight_loader)
-        self.bias = _param(rows, dtype=params_dtype, loader=self.weight_loader) if bias else None
+        shape = [output_size, input_size]
+        shape[self.split_dim] = divide(shape[self.split_dim], tp.size)
+        self.weight = _param(*shape, dtype=params_dtype, loader=self.weight_loader)
+        # output rows split: so is the bias; input columns split: every rank holds all of the
+        # bias, added once (by rank 0)
+        bias_loader = self.weight_loader if self.split_dim == 0 else default_weight_loader
+        self.bias = _param(shape[0], dtype=params_dtype, loader=bias_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
+        n = param.shape[self.split_dim]
+        copy_checked(param.data, narrow(loaded, self.split_dim, self.tp.rank * n, n))
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -81,8 +84,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         sizes = [divide(s, self.tp.size) for s in self.output_sizes]
         offset, rows = sum(sizes[:shard_id]), sizes[shard_id]
-        dst = param.data.narrow(0, offset, rows)
-        copy_checked(dst, narrow(loaded, 0, self.tp.rank * rows, rows))
+        copy_checked(
+            param.data.narrow(0, offset, rows), narrow(loaded, 0, self.tp.rank * rows, rows)
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -130,8 +134,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             rows, src_rank = self.kv_size, self.tp.rank // self.num_kv_replicas
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        dst = param.data.narrow(0, offset, rows)
-        copy_checked(dst, narrow(loaded, 0, src_rank * rows, rows))
+        copy_checked(param.data.narrow(0, offset, rows), narrow(loaded, 0, src_rank * rows, rows))
 
 
 class RowParallelLinear(_SplitLinear):
@@ -141,23 +144,6 @@ class RowParallelLinear(_SplitLinear):
     next RMSNorm, in the same kernel as its residual add and norm."""
 
     split_dim = 1
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        tp: TPGroup,
-        bias: bool = False,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        cols = divide(input_size, tp.size)
-        self.weight = _param(output_size, cols, dtype=params_dtype, loader=self.weight_loader)
-        # the bias is replicated: every rank holds all of it, added once (by rank 0)
-        self.bias = (
-            _param(output_size, dtype=params_dtype, loader=default_weight_loader) if bias else None
-        )
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor | PartialSum:
         y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
