@@ -205,7 +205,6 @@ def _sample_chunks(
     positions: torch.Tensor,
     vocab_start: int,
     vocab_end: int,
-    fast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel over ~1024 programs: per row and vocabulary chunk, the best score and its
     global index ([N, chunks] each)."""
@@ -220,7 +219,7 @@ def _sample_chunks(
     _sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
         seeds, positions, part_val, part_idx, vocab_start, vocab_end, tiles_per_chunk, chunks,
-        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=fast and not interpreting(),
+        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=not interpreting(),
         num_warps=8, **pdl(logits),
     )  # fmt: skip
     return part_val, part_idx
