@@ -42,10 +42,6 @@ class PrefixCacheHitRate:
             self.hits -= old_hits
 
     @property
-    def empty(self) -> bool:
-        return self.queries == 0
-
-    @property
     def rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
@@ -61,7 +57,7 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.num_preemptions = 0
         self.last_throughputs = (0.0, 0.0)  # (prompt, generation) of the previous line
-        self.scheduler: SchedulerUpdate | None = None
+        self.scheduler = SchedulerUpdate(0, 0, 0.0, 0, 0, 0)  # the last one reported
         self.prefix_cache = PrefixCacheHitRate()
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
@@ -85,25 +81,17 @@ class LoggingStatLogger:
         self.last_log_time = now
         self.num_prompt_tokens = self.num_generation_tokens = self.num_preemptions = 0
 
-        scheduler = self.scheduler
+        sched = self.scheduler
         parts = [
-            "Avg prompt throughput: %.1f tokens/s",
-            "Avg generation throughput: %.1f tokens/s",
-            "Running: %d reqs",
-            "Waiting: %d reqs",
-        ]
-        args: list[object] = [
-            *throughputs,
-            scheduler.num_running if scheduler else 0,
-            scheduler.num_waiting if scheduler else 0,
+            f"Avg prompt throughput: {throughputs[0]:.1f} tokens/s",
+            f"Avg generation throughput: {throughputs[1]:.1f} tokens/s",
+            f"Running: {sched.num_running} reqs",
+            f"Waiting: {sched.num_waiting} reqs",
         ]
         if preemptions:
-            parts.append("Preemptions: %d")
-            args.append(preemptions)
-        parts.append("%s KV cache usage: %.1f%%")
-        args += [self.kv_cache_device, 100 * (scheduler.kv_cache_usage if scheduler else 0.0)]
-        if not self.prefix_cache.empty:
-            parts.append("Prefix cache hit rate: %.1f%%")
-            args.append(100 * self.prefix_cache.rate)
+            parts.append(f"Preemptions: {preemptions}")
+        parts.append(f"{self.kv_cache_device} KV cache usage: {100 * sched.kv_cache_usage:.1f}%")
+        if self.prefix_cache.queries:
+            parts.append(f"Prefix cache hit rate: {100 * self.prefix_cache.rate:.1f}%")
         log = logger.debug if idle else logger.info
-        log(self.prefix + ", ".join(parts), *args)
+        log(self.prefix + ", ".join(parts))  # no args: the "%" signs stay as they are
