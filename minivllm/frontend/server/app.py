@@ -25,11 +25,10 @@ from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
 from minivllm.frontend.server.chat import create_chat_completion, render_chat
 from minivllm.frontend.server.completions import create_completion
 from minivllm.frontend.server.errors import (
-    UNAUTHORIZED,
     OpenAIError,
+    as_openai_error,
     from_decode_error,
     from_value_error,
-    not_found_model,
 )
 from minivllm.frontend.server.protocol import (
     DetokenizeRequest,
@@ -75,14 +74,15 @@ class ServerState:
         if self.api_key is not None and not secrets.compare_digest(
             raw.headers.get("authorization", ""), f"Bearer {self.api_key}"
         ):
-            raise UNAUTHORIZED
+            raise OpenAIError("Unauthorized", HTTPStatus.UNAUTHORIZED)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with: the one asked for, or the first served name."""
         if model is None:
             return self.model_name
         if model not in self.served_model_names:
-            raise not_found_model(model)
+            message = f"The model `{model}` does not exist."
+            raise OpenAIError(message, HTTPStatus.NOT_FOUND, param="model")
         return model
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -165,17 +165,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> Response:
-        return Response(e.body(), e.status.value, media_type="application/json")
+    async def openai_error(_: Request, e: Exception) -> Response:
+        error = as_openai_error(e, _PARAM_NAMES)
+        return Response(error.body(), error.status.value, media_type="application/json")
 
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError) -> Response:
-        return await openai_error(_, from_value_error(e, _PARAM_NAMES))
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
-        return await openai_error(_, OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE))
+    for kind in (OpenAIError, ValueError, EngineDeadError):
+        app.add_exception_handler(kind, openai_error)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
