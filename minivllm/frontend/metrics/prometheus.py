@@ -8,6 +8,7 @@ registry has); `generate_latest(logger.registry)` is the body of `/metrics`.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
@@ -77,10 +78,8 @@ class Histogram(Collector):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
-        cumulative, buckets = 0, []
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        bounds = [*map(str, self.bounds), "+Inf"]
+        buckets = list(zip(bounds, itertools.accumulate(self.counts), strict=True))
         family.add_metric(list(self.labels.values()), buckets, self.sum)
         yield family
 
@@ -228,32 +227,23 @@ class PrometheusStatLogger:
                 "Histogram of e2e request latency in seconds.",
                 REQUEST_LATENCY_BUCKETS,
             ),
-            "queued_time": histogram(
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
-            "inference_time": histogram(
-                "vllm:request_inference_time_seconds",
-                "Histogram of time spent in RUNNING phase for request.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
-            "prefill_time": histogram(
-                "vllm:request_prefill_time_seconds",
-                "Histogram of time spent in PREFILL phase for request.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
-            "decode_time": histogram(
-                "vllm:request_decode_time_seconds",
-                "Histogram of time spent in DECODE phase for request.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
             "num_preemptions": histogram(
                 "vllm:request_num_preemptions",
                 "Histogram of the number of times a request was preempted.",
                 REQUEST_NUM_PREEMPTIONS_BUCKETS,
             ),
         }
+        for field, name, phase in (
+            ("queued_time", "queue", "WAITING"),
+            ("inference_time", "inference", "RUNNING"),
+            ("prefill_time", "prefill", "PREFILL"),
+            ("decode_time", "decode", "DECODE"),
+        ):  # vllm:request_queue_time_seconds, ...
+            self.per_request[field] = histogram(
+                f"vllm:request_{name}_time_seconds",
+                f"Histogram of time spent in {phase} phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
         if scheduler is not None:
