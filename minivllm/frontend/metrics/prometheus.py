@@ -179,32 +179,35 @@ class PrometheusStatLogger:
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
         )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS,
-        )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            ITL_BUCKETS,
-        )
-        self.params_n = histogram(
-            "vllm:request_params_n",
-            "Histogram of the n request parameter.",
-            REQUEST_PARAMS_N_BUCKETS,
-        )
-        self.max_num_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.",
-            tokens,
-        )
+        # each value of the `IterationStats` list of that name is observed
+        self.per_iteration = {
+            "time_to_first_tokens": histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            ),
+            "inter_token_latencies": histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ITL_BUCKETS,
+            ),
+            "n_params": histogram(
+                "vllm:request_params_n",
+                "Histogram of the n request parameter.",
+                REQUEST_PARAMS_N_BUCKETS,
+            ),
+            "max_num_generation_tokens": histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+                tokens,
+            ),
+        }
         self.prefill_kv_computed = histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             tokens,
         )
-        # observed once per finished request, each with the `RequestStats` field it is named by
+        # each finished request's `RequestStats` field of that name is observed
         self.per_request = {
             "num_prompt_tokens": histogram(
                 "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
@@ -269,14 +272,9 @@ class PrometheusStatLogger:
             self.generation_tokens.inc(it.num_generation_tokens)
         if computed or it.num_generation_tokens:
             self.iteration_tokens.observe(computed + it.num_generation_tokens)
-        for ttft in it.time_to_first_tokens:
-            self.ttft.observe(ttft)
-        for itl in it.inter_token_latencies:
-            self.itl.observe(itl)
-        for n in it.n_params:
-            self.params_n.observe(n)
-        for max_generated in it.max_num_generation_tokens:
-            self.max_num_generation_tokens.observe(max_generated)
+        for field, histogram in self.per_iteration.items():
+            for value in getattr(it, field):
+                histogram.observe(value)
         for req in it.finished_requests:
             self.request_success[req.finish_reason].inc()
             self.prefill_kv_computed.observe(req.num_prompt_tokens - req.num_cached_tokens)

@@ -39,7 +39,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     state.check_params(params)
     request_id = state.request_id("chatcmpl")
     stream = state.engine.generate(prompt, params, request_id)
-    view = _ChatView(request, params.n, len(prompt["prompt_token_ids"]), request_id, model)
+    view = _ChatView(request, len(prompt["prompt_token_ids"]), request_id, model)
     return await respond(raw, [stream], view, request.stream, state.json)
 
 
@@ -105,14 +105,12 @@ class _ChatView(StreamView):
     def __init__(
         self,
         request: ChatCompletionRequest,
-        n: int,
         num_prompt_tokens: int,
         request_id: str,
         model: str,
     ) -> None:
         super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.request = request
-        self.n = n
         self.num_top = (request.top_logprobs or 0) if request.logprobs else None
 
     def _choice(self, kind: type[C], c: CompletionOutput, body: Any) -> C:
@@ -137,7 +135,7 @@ class _ChatView(StreamView):
     def first_chunks(self) -> list[StreamResponse]:
         """The role, once per choice, before any text (as OpenAI and vLLM send it)."""
         role = DeltaMessage(role="assistant", content="")
-        return [self.chunk([ChatStreamChoice(i, role)]) for i in range(self.n)]
+        return [self.chunk([ChatStreamChoice(i, role)]) for i in range(self.request.n)]
 
     def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
         return [

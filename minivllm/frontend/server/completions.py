@@ -20,7 +20,6 @@ from minivllm.frontend.server.protocol import (
 from minivllm.frontend.server.sampling import completion_sampling_params
 from minivllm.frontend.server.streaming import StreamView, respond
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.frontend.server.app import ServerState
@@ -45,7 +44,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         )
         for i, (text, ids) in enumerate(prompts)
     ]
-    view = _CompletionView(state, request, params, prompts, request_id, model)
+    view = _CompletionView(state, request, prompts, request_id, model)
     return await respond(raw, streams, view, request.stream, state.json)
 
 
@@ -86,7 +85,6 @@ class _CompletionView(StreamView):
         self,
         state: ServerState,
         request: CompletionRequest,
-        params: SamplingParams,
         prompts: list[Prompt],
         request_id: str,
         model: str,
@@ -95,7 +93,7 @@ class _CompletionView(StreamView):
         super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.state = state
         self.request = request
-        self.n = params.n
+        self.n = request.n
         self.num_top = request.logprobs
         self.prompts = prompts
         self.text_len: dict[int, int] = {}  # text streamed so far, per choice

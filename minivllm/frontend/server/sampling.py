@@ -15,11 +15,11 @@ from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
-# passed on when not None: when sent, for those whose default here is None
-_PASSED = ("n", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty")
-_PASSED += ("frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words")
-_PASSED += ("stop_token_ids", "prompt_logprobs", "ignore_eos", "min_tokens")
-_PASSED += ("include_stop_str_in_output", "skip_special_tokens")
+# the request fields SamplingParams has too, passed on when not None (for most: when sent);
+# the others are converted below
+_PASSED = sorted(
+    (set(SamplingFields.__struct_fields__) & _FIELDS) - {"stop", "logit_bias", "structured_outputs"}
+)
 
 
 def completion_sampling_params(request: CompletionRequest, stream: bool) -> SamplingParams:
