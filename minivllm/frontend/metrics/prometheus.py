@@ -43,13 +43,8 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
-    buckets, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_model_len:
-                return buckets
-            buckets.append(mantissa * scale)
-        scale *= 10
+    steps = (m * 10**e for e in range(len(str(max_model_len))) for m in (1, 2, 5))
+    return [step for step in steps if step <= max_model_len]
 
 
 class Histogram(Collector):

@@ -28,7 +28,6 @@ from minivllm.frontend.server.errors import (
     OpenAIError,
     as_openai_error,
     from_decode_error,
-    from_value_error,
 )
 from minivllm.frontend.server.protocol import (
     DetokenizeRequest,
@@ -104,7 +103,8 @@ class ServerState:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """What the engine would refuse, refused before a stream starts (as a 400)."""
+        """What the engine would refuse, refused before a stream starts (as a 400: the app
+        answers a ValueError so)."""
         max_tokens = params.max_tokens
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise OpenAIError(
@@ -112,10 +112,7 @@ class ServerState:
                 f"{self.max_model_len}. Please request fewer output tokens.",
                 param="max_tokens",
             )
-        try:
-            self.engine.input_processor.validate_params(params)
-        except ValueError as e:
-            raise from_value_error(e, _PARAM_NAMES) from None
+        self.engine.input_processor.validate_params(params)
 
     # ---------------------------------------------------------------- helpers
 
@@ -125,8 +122,8 @@ class ServerState:
         except msgspec.DecodeError as e:
             raise from_decode_error(e) from None
 
-    def json(self, payload: Any, status: int = 200) -> Response:
-        return Response(msgspec.json.encode(payload), status, media_type="application/json")
+    def json(self, payload: Any) -> Response:
+        return Response(msgspec.json.encode(payload), media_type="application/json")
 
     def request_id(self, prefix: str) -> str:
         return f"{prefix}-{secrets.token_hex(8)}"

@@ -57,15 +57,14 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]], request: Any
     if getattr(request, "continue_final_message", False):
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
+    messages = [_text_message(m) for m in messages]
     try:
         return state.engine.input_processor.apply_chat_template(
-            [_text_message(m) for m in messages],
+            messages,
             add_generation_prompt=add_generation_prompt,
             chat_template=getattr(request, "chat_template", None) or state.chat_template,
             template_kwargs=kwargs,
         )
-    except OpenAIError:
-        raise
     except Exception as e:  # a template that fails to render on these messages
         raise OpenAIError(f"messages: the chat template failed: {e}", param="messages") from e
 
