@@ -22,30 +22,6 @@ from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 logger = logging.getLogger("minivllm.stats")
 
 
-class PrefixCacheHitRate:
-    """Hit rate over the last `max_updates` scheduler updates that looked tokens up."""
-
-    def __init__(self, max_updates: int = 1000) -> None:
-        self.max_updates = max_updates
-        self.window: deque[tuple[int, int]] = deque()  # (queries, hits) per update
-        self.queries = self.hits = 0
-
-    def observe(self, queries: int, hits: int) -> None:
-        if queries <= 0:
-            return
-        self.window.append((queries, hits))
-        self.queries += queries
-        self.hits += hits
-        while len(self.window) > self.max_updates:
-            old_queries, old_hits = self.window.popleft()
-            self.queries -= old_queries
-            self.hits -= old_hits
-
-    @property
-    def rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
 class LoggingStatLogger:
     """Accumulates token counts between `log()` calls and prints vLLM's stats line."""
 
@@ -58,7 +34,8 @@ class LoggingStatLogger:
         self.num_preemptions = 0
         self.last_throughputs = (0.0, 0.0)  # (prompt, generation) of the previous line
         self.scheduler = SchedulerUpdate(0, 0, 0.0, 0, 0, 0)  # the last one reported
-        self.prefix_cache = PrefixCacheHitRate()
+        # (queries, hits) of the last 1000 scheduler updates that looked tokens up
+        self.prefix_cache: deque[tuple[int, int]] = deque(maxlen=1000)
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
         if (it := iteration) is not None:
@@ -67,9 +44,9 @@ class LoggingStatLogger:
         if scheduler is not None:
             self.scheduler = scheduler
             self.num_preemptions += scheduler.new_preemptions
-            self.prefix_cache.observe(
-                scheduler.new_prefix_cache_queries, scheduler.new_prefix_cache_hits
-            )
+            if scheduler.new_prefix_cache_queries > 0:
+                queries, hits = scheduler.new_prefix_cache_queries, scheduler.new_prefix_cache_hits
+                self.prefix_cache.append((queries, hits))
 
     def log(self) -> None:
         now = time.monotonic()
@@ -91,7 +68,9 @@ class LoggingStatLogger:
         if preemptions:
             parts.append(f"Preemptions: {preemptions}")
         parts.append(f"{self.kv_cache_device} KV cache usage: {100 * sched.kv_cache_usage:.1f}%")
-        if self.prefix_cache.queries:
-            parts.append(f"Prefix cache hit rate: {100 * self.prefix_cache.rate:.1f}%")
+        queries = sum(update[0] for update in self.prefix_cache)
+        if queries:
+            hits = sum(update[1] for update in self.prefix_cache)
+            parts.append(f"Prefix cache hit rate: {100 * hits / queries:.1f}%")
         log = logger.debug if idle else logger.info
         log(self.prefix + ", ".join(parts))  # no args: the "%" signs stay as they are
