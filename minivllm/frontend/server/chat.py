@@ -40,7 +40,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request_id = state.request_id("chatcmpl")
     stream = state.engine.generate(prompt, params, request_id)
     view = _ChatView(request, len(prompt["prompt_token_ids"]), request_id, model)
-    return await respond(raw, [stream], view, request.stream, state.json)
+    return await respond(raw, [stream], view, request.stream)
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]], request: Any) -> dict[str, Any]:

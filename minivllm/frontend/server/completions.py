@@ -45,7 +45,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         for i, (text, ids) in enumerate(prompts)
     ]
     view = _CompletionView(state, request, prompts, request_id, model)
-    return await respond(raw, streams, view, request.stream, state.json)
+    return await respond(raw, streams, view, request.stream)
 
 
 def _prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:

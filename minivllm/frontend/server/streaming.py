@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -171,7 +171,6 @@ async def respond(
     streams: list[AsyncIterator[Any]],
     view: StreamView,
     stream: bool,
-    encode_json: Callable[[Any], Response],
 ) -> Response:
     """The response to one request: an event stream of the view's chunks, or the view's
     response body once every stream has ended (FINAL_ONLY outputs: one per stream)."""
@@ -187,7 +186,7 @@ async def respond(
     if task.cancelled():
         raise asyncio.CancelledError("the client disconnected")
     task.result()  # raises what the request raised
-    return encode_json(view.response(finals))
+    return Response(_encode(view.response(finals)), media_type="application/json")
 
 
 async def stream_events(
