@@ -117,10 +117,9 @@ class StatsCollector:
         """The engine requests of one user request (n of them for n > 1)."""
         group = _Group(len(requests), len(requests))
         for r in requests:
-            times = RequestStats(
+            self.requests[r.request_id] = RequestStats(
                 group, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens
             )
-            self.requests[r.request_id] = times
 
     def record(self, outputs: EngineCoreOutputs, ended_here: Iterable[str] = ()) -> None:
         """One batch from the engine-core; `ended_here` are the internal ids the frontend
@@ -130,24 +129,24 @@ class StatsCollector:
         engine_ts = outputs.timestamp or now
         requests = self.requests
         for out in outputs.outputs:
-            times = requests.get(out.request_id)
-            if times is None:
+            req = requests.get(out.request_id)
+            if req is None:
                 continue
             if out.events:
-                self._apply_events(times, out.events)
+                self._apply_events(req, out.events)
             num_new = len(out.new_token_ids)
             if num_new:
                 it.num_generation_tokens += num_new
-                if times.num_generation_tokens == 0:
-                    it.time_to_first_tokens.append(now - times.arrival_time)
-                    it.num_prompt_tokens += times.num_prompt_tokens
+                if req.num_generation_tokens == 0:
+                    it.time_to_first_tokens.append(now - req.arrival_time)
+                    it.num_prompt_tokens += req.num_prompt_tokens
                     it.num_cached_prompt_tokens += out.num_cached_tokens
-                    times.num_cached_tokens = out.num_cached_tokens
-                    times.first_token_ts = engine_ts
+                    req.num_cached_tokens = out.num_cached_tokens
+                    req.first_token_ts = engine_ts
                 else:
-                    it.inter_token_latencies.append(engine_ts - times.last_token_ts)
-                times.num_generation_tokens += num_new
-                times.last_token_ts = engine_ts
+                    it.inter_token_latencies.append(engine_ts - req.last_token_ts)
+                req.num_generation_tokens += num_new
+                req.last_token_ts = engine_ts
             if out.finish_reason is not None:
                 self._finish(out.request_id, str(out.finish_reason), it)
         for internal_id in ended_here:
@@ -177,31 +176,31 @@ class StatsCollector:
         for logger in self.loggers:
             logger.log()
 
-    def _apply_events(self, times: RequestStats, events: list) -> None:
+    def _apply_events(self, req: RequestStats, events: list) -> None:
         for event in events:
             if event.type == EngineCoreEventType.QUEUED:
-                times.queued_ts = event.timestamp
+                req.queued_ts = event.timestamp
             elif event.type == EngineCoreEventType.SCHEDULED:
-                if not times.scheduled_ts:  # the first time; later ones follow preemptions
-                    times.scheduled_ts = event.timestamp
+                if not req.scheduled_ts:  # the first time; later ones follow preemptions
+                    req.scheduled_ts = event.timestamp
             elif event.type == EngineCoreEventType.PREEMPTED:
-                times.num_preemptions += 1
+                req.num_preemptions += 1
 
     def _finish(self, internal_id: str, reason: str, it: IterationStats) -> None:
-        times = self.requests.pop(internal_id, None)
-        if times is None:
+        req = self.requests.pop(internal_id, None)
+        if req is None:
             return
-        num_gen = times.num_generation_tokens
-        times.finish_reason, times.e2e_latency = reason, it.timestamp - times.arrival_time
-        if times.scheduled_ts > 0 and times.first_token_ts > 0:
-            times.queued_time = max(0.0, times.scheduled_ts - times.queued_ts)
-            times.prefill_time = times.first_token_ts - times.scheduled_ts
-            times.inference_time = times.last_token_ts - times.scheduled_ts
-            times.decode_time = times.last_token_ts - times.first_token_ts
+        num_gen = req.num_generation_tokens
+        req.finish_reason, req.e2e_latency = reason, it.timestamp - req.arrival_time
+        if req.scheduled_ts > 0 and req.first_token_ts > 0:
+            req.queued_time = max(0.0, req.scheduled_ts - req.queued_ts)
+            req.prefill_time = req.first_token_ts - req.scheduled_ts
+            req.inference_time = req.last_token_ts - req.scheduled_ts
+            req.decode_time = req.last_token_ts - req.first_token_ts
             if num_gen > 1:
-                times.mean_time_per_output_token = times.decode_time / (num_gen - 1)
-        it.finished_requests.append(times)
-        group = times.group
+                req.mean_time_per_output_token = req.decode_time / (num_gen - 1)
+        it.finished_requests.append(req)
+        group = req.group
         group.unfinished -= 1
         group.max_generation_tokens = max(group.max_generation_tokens, num_gen)
         if group.unfinished == 0:
