@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from minivllm.config import EngineArgs
-from minivllm.frontend.arg_utils import engine_args_from
+from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
     DEFAULT_GPU_GEOMETRY,
@@ -29,6 +29,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="without --model: random weights of this shape (default: qwen3-0.6b on CUDA, "
         "qwen3-cpu-tiny on CPU)",
     )
+
+
+def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
+    """--geometry, EngineArgs' flags (--model optional) and --output-json (`write_json`)."""
+    add_model_args(parser)
+    add_engine_args(parser, model_required=False)
+    if output_json:
+        parser.add_argument("--output-json", default=None, help="write the figures to this file")
 
 
 def resolve_device(device: str) -> str:

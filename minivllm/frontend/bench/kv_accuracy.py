@@ -18,9 +18,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     bench_engine_args,
     max_token_id,
     model_dir,
@@ -34,9 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="default 64 (CUDA) / 8 (CPU)")
     p.add_argument("--input-len", type=int, default=None, help="random prompts of this length")
     p.add_argument("--compare", choices=["hf"], default=None, help="transformers as reference")
-    p.add_argument("--output-json", default=None)
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 @dataclass

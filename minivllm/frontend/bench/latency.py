@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     max_token_id,
     model_dir,
     start_llm,
@@ -35,9 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=30)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--output-json", default=None)
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 def _timed_batch(

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-calls", type=int, default=2000)
     p.add_argument("--skip-sync", action="store_true", help="skip the LLM.generate run")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy each process")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the figures to this file")
     add_engine_args(p, model_required=False)
 
 

@@ -18,8 +18,7 @@ import random
 import time
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
-from minivllm.frontend.bench.common import add_model_args, bench_engine_args, model_dir
+from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,8 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile-trace", default=None, help="also write the profile as a Chrome trace (JSON)"
     )
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p, output_json=False)
 
 
 class StepDriver:

@@ -29,9 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     max_token_id,
     model_dir,
     resolve_device,
@@ -103,9 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
-    p.add_argument("--output-json", default=None, help="write the figures to this file")
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
