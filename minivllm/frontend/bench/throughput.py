@@ -1,9 +1,10 @@
 """`minivllm bench throughput`: offline throughput, printed the way vLLM's
 `vllm bench throughput` prints it, plus the memory-traffic floor on CUDA.
 
-Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256 requests, 142,827
-prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
-minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
+Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256
+requests, 142,827 prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU,
+where that takes minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output
+tokens each.
 --num-prompts / --input-len / --output-len choose fixed shapes (--prefix-len puts one shared
 prefix before every prompt: e.g. 256 x (2048 shared + 64) in, 64 out at temperature 0 is the
 shared-prefix scenario that cascade attention serves); --reference-workload forces the
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.config import EngineConfig
 from minivllm.frontend.bench.common import (
     add_bench_args,
     max_token_id,
@@ -68,6 +70,11 @@ class RunResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
+
+    def figures(self, prefix: str = "") -> dict[str, Any]:
+        names = ("elapsed_s", "num_requests", "prompt_tokens", "output_tokens")
+        names += ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
+        return {prefix + name: getattr(self, name) for name in names}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,10 +123,12 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
         extra["logprobs"] = args.logprobs
     if args.penalties:
         extra.update(PENALTIES)
-    if getattr(args, "structured_outputs", False):
-        from minivllm.frontend.bench.structured import json_schema_variant
+    if args.structured_outputs:
+        from minivllm.frontend.bench.structured import SCHEMA
+        from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
-        return [("plain", extra), json_schema_variant()]
+        schema = {"structured_outputs": StructuredOutputsParams(json=SCHEMA)}
+        return [("plain", extra), ("json-schema", schema)]
     if not args.sampling_variants:
         return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
     num = 5 if args.logprobs is None else args.logprobs
@@ -128,18 +137,12 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
 
 def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = "cuda") -> Workload:
     fixed = (args.num_prompts, args.input_len, args.output_len)
-    if getattr(args, "reference_workload", False) or (fixed == (None,) * 3 and device != "cpu"):
+    if args.reference_workload or (fixed == (None,) * 3 and device != "cpu"):
         return reference_workload()
     if fixed == (None,) * 3:
         fixed = CPU_DEFAULT_SHAPE
-    return random_workload(
-        fixed[0] or 1000,
-        fixed[1] or 1024,
-        fixed[2] or 128,
-        seed=args.seed,
-        vocab_limit=max_id,
-        prefix_len=getattr(args, "prefix_len", 0),
-    )
+    shape = [n or default for n, default in zip(fixed, (1000, 1024, 128), strict=True)]
+    return random_workload(*shape, seed=args.seed, vocab_limit=max_id, prefix_len=args.prefix_len)
 
 
 def run_minivllm(
@@ -179,19 +182,18 @@ def print_vllm_lines(r: RunResult) -> None:
     print(f"Elapsed: {r.elapsed_s:.3f} s; output token digest: {r.digest}")
 
 
-def floor_report(
-    hf_config: dict, dtype: str, kv_cache_dtype: str, workload: Workload, r: RunResult
-) -> dict:
+def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict:
     """Measure the device copy bandwidth now and compare the run with the traffic floors of
     a 16-bit and an FP8 KV cache (the one this run used first)."""
     from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
     from minivllm.frontend.bench.geometry import num_parameters
 
+    hf_config, dtype = config.model.hf_config, config.model.dtype
     heads = int(hf_config["num_attention_heads"])
     bandwidth = measure_copy_bandwidth()
     print(f"Device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
     kv_kinds = [(dtype, _DTYPE_BYTES[dtype]), ("fp8", 1)]
-    if kv_cache_dtype != "auto":
+    if config.cache.kv_cache_dtype != "auto":
         kv_kinds.reverse()
     figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
     for name, elem in kv_kinds:
@@ -261,10 +263,11 @@ def main(args: argparse.Namespace) -> dict:
         finally:
             llm.shutdown()
         if len(results) > 1:
-            base = results[0][1].output_tokens_per_s
+            base_name, base = results[0][0], results[0][1].output_tokens_per_s
             for name, r in results:
+                tok_s = r.output_tokens_per_s
                 print(
-                    f"{name}: {r.output_tokens_per_s:.0f} output tok/s = {100 * r.output_tokens_per_s / base:.1f}% of {results[0][0]}"
+                    f"{name}: {tok_s:.0f} output tok/s = {100 * tok_s / base:.1f}% of {base_name}"
                 )
             figures["sampling_variants"] = {
                 name: {"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s}
@@ -275,25 +278,11 @@ def main(args: argparse.Namespace) -> dict:
             model=model if geometry is None else geometry,
             device=config.device.device,
             dtype=config.model.dtype,
-            elapsed_s=result.elapsed_s,
-            num_requests=result.num_requests,
-            prompt_tokens=result.prompt_tokens,
-            output_tokens=result.output_tokens,
-            requests_per_s=result.requests_per_s,
-            total_tokens_per_s=result.total_tokens_per_s,
-            output_tokens_per_s=result.output_tokens_per_s,
+            **result.figures(),
             output_digest=result.digest,
         )
         if config.device.device == "cuda":
-            figures.update(
-                floor_report(
-                    config.model.hf_config,
-                    config.model.dtype,
-                    config.cache.kv_cache_dtype,
-                    workload,
-                    result,
-                )
-            )
+            figures.update(floor_report(config, workload, result))
         if args.compare == "hf":
             from minivllm.frontend.bench.hf_compare import run_hf
 
@@ -305,12 +294,6 @@ def main(args: argparse.Namespace) -> dict:
                 f"{hf.elapsed_s:.2f} s = {hf.output_tokens_per_s:.2f} output tokens/s; "
                 f"mini-vllm / HF = {ratio:.2f}x"
             )
-            figures.update(
-                hf_num_requests=hf.num_requests,
-                hf_output_tokens=hf.output_tokens,
-                hf_elapsed_s=hf.elapsed_s,
-                hf_output_tokens_per_s=hf.output_tokens_per_s,
-                ratio_to_hf=ratio,
-            )
+            figures.update(hf.figures("hf_"), ratio_to_hf=ratio)
     write_json(args.output_json, figures)
     return figures
