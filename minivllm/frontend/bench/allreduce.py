@@ -26,12 +26,9 @@ import os
 
 
 def main(args: argparse.Namespace) -> int:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    os.environ.update(
+        NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+    )
     from minivllm.frontend.bench.allreduce_ranks import launch
 
-    status = launch()
-    if status:
-        raise SystemExit(status)
-    return status
+    raise SystemExit(launch())

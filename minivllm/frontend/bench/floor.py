@@ -1,5 +1,5 @@
 """The memory-traffic floor of a decode workload, and the device copy bandwidth it is
-measured against (every output token re-reads its KV context; every decode step re-reads the weights)."""
+measured against."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ class Floor:
     kv_bytes: int  # every output token re-reads its whole KV context
     weight_bytes: int  # every decode step re-reads all weights once
 
-    @property
-    def total_bytes(self) -> int:
-        return self.kv_bytes + self.weight_bytes
-
     def seconds(self, bandwidth: float) -> float:
         """Floor time at `bandwidth` bytes/s (bytes read + written, like a device copy)."""
-        return self.total_bytes / bandwidth
+        return (self.kv_bytes + self.weight_bytes) / bandwidth
 
 
 def memory_floor(
