@@ -20,6 +20,7 @@ def run_hf(
     """Random weights from the model's config.json (bf16 on CUDA, fp32 on CPU); each batch
     generates max-of-batch tokens, but only each request's own output length counts."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -32,7 +33,11 @@ def run_hf(
     counted = 0
     start = time.perf_counter()
     for batch in batches:
-        ids, mask = _left_pad([workload.prompts[i] for i in batch], device)
+        rows = [torch.tensor(workload.prompts[i]) for i in batch]
+        ids, mask = (
+            pad_sequence(xs, batch_first=True, padding_side="left").to(device)
+            for xs in (rows, [torch.ones_like(row) for row in rows])
+        )
         new = max(workload.output_lens[i] for i in batch)
         with torch.inference_mode():
             model.generate(
@@ -50,17 +55,4 @@ def run_hf(
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    del model
     return RunResult(elapsed, len(workload.prompts), workload.num_prompt_tokens, counted)
-
-
-def _left_pad(prompts: list[list[int]], device: str):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
