@@ -249,31 +249,29 @@ def main(args: argparse.Namespace) -> dict:
             f"{config.model.hf_config['hidden_size']}, vocab {config.model.vocab_size}; "
             f"device {config.device.device}, dtype {config.model.dtype}"
         )
-        results = []
+        results: dict[str, RunResult] = {}
         try:
             for name, extra in sampling_variants(args):
                 print(f"Sampling: {name}")
-                results.append((name, run_minivllm(llm, workload, args.temperature, extra)))
-                print_vllm_lines(results[-1][1])
+                results[name] = run = run_minivllm(llm, workload, args.temperature, extra)
+                print_vllm_lines(run)
                 if "structured_outputs" in extra:
                     from minivllm.frontend.bench.structured import summarize
 
                     eos = llm.llm_engine.input_processor.eos_token_ids
-                    figures["structured_outputs"] = summarize(results[-1][1].outputs, eos)
+                    figures["structured_outputs"] = summarize(run.outputs, eos)
         finally:
             llm.shutdown()
+        base_name, result = next(iter(results.items()))
         if len(results) > 1:
-            base_name, base = results[0][0], results[0][1].output_tokens_per_s
-            for name, r in results:
+            for name, r in results.items():
                 tok_s = r.output_tokens_per_s
-                print(
-                    f"{name}: {tok_s:.0f} output tok/s = {100 * tok_s / base:.1f}% of {base_name}"
-                )
+                share = 100 * tok_s / result.output_tokens_per_s
+                print(f"{name}: {tok_s:.0f} output tok/s = {share:.1f}% of {base_name}")
             figures["sampling_variants"] = {
                 name: {"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s}
-                for name, r in results
+                for name, r in results.items()
             }
-        result = results[0][1]
         figures.update(
             model=model if geometry is None else geometry,
             device=config.device.device,
