@@ -19,6 +19,8 @@ from minivllm.frontend.bench.geometry import (
     GEOMETRIES,
     write_geometry,
 )
+from minivllm.frontend.llm import LLM
+from minivllm.process_utils import freeze_startup_heap
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -75,12 +77,9 @@ def bench_engine_args(
 
 def start_llm(
     args: argparse.Namespace, model: str, geometry: str | None, max_len: int, **overrides: Any
-) -> Any:
+) -> LLM:
     """The `LLM` of a bench command (`bench_engine_args`); a geometry's context fits
     `max_len` tokens (4096 at least) unless --max-model-len says otherwise."""
-    from minivllm.frontend.llm import LLM
-    from minivllm.process_utils import freeze_startup_heap
-
     if geometry is not None and args.max_model_len is None:
         overrides["max_model_len"] = max(4096, max_len)
     llm = LLM(**dataclasses.asdict(bench_engine_args(args, model, geometry, **overrides)))

@@ -23,6 +23,7 @@ from minivllm.frontend.bench.common import (
     write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload
+from minivllm.protocol.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -40,8 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _timed_batch(
     llm: Any, args: argparse.Namespace, seed: int, max_tokens: int, max_id: int
 ) -> float:
-    from minivllm.protocol.sampling_params import SamplingParams
-
     batch = random_workload(args.batch_size, args.input_len, max_tokens, seed, max_id)
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True)
     start = time.perf_counter()

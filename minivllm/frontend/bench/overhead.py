@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -25,9 +26,12 @@ from typing import Any
 
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
+from minivllm.frontend.async_llm import AsyncLLM
 from minivllm.frontend.bench.common import write_json
 from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 TARGET_TOKENS_PER_S = 100_000
 _PROMPT = "Engines schedule requests, run the model, and stream tokens back to clients. "
@@ -79,9 +83,6 @@ async def run_async(
     engine_args: EngineArgs, args: argparse.Namespace
 ) -> tuple[StreamResult, list[float]]:
     """(stream result, health round trips in seconds) from one AsyncLLM."""
-    from minivllm.frontend.async_llm import AsyncLLM
-    from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
-
     llm = AsyncLLM.from_engine_args(engine_args)
     freeze_startup_heap()  # the bench command's own process
     output_len = args.output_len
@@ -119,9 +120,6 @@ async def run_async(
 
 
 def run_sync(engine_args: EngineArgs, args: argparse.Namespace) -> StreamResult:
-    from minivllm.frontend.llm import LLM
-    from minivllm.protocol.sampling_params import SamplingParams
-
     llm = LLM(**{f: getattr(engine_args, f) for f in EngineArgs.field_names()})
     freeze_startup_heap()
     try:
@@ -159,8 +157,6 @@ def _start_py_spy(out_dir: str) -> list[subprocess.Popen]:
 
 
 def _stop_py_spy(spies: list[subprocess.Popen]) -> None:
-    import signal
-
     for spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
     for spy in spies:

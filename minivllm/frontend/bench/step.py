@@ -19,6 +19,8 @@ import time
 from typing import Any
 
 from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +39,6 @@ class StepDriver:
     """Feeds the runner SchedulerOutputs as the scheduler would for these shapes."""
 
     def __init__(self, runner: Any, num: int, ctx: int, prefill: int, blocks_per_seq: int) -> None:
-        from minivllm.protocol.sampling_params import SamplingParams
-
         self.runner, self.num, self.ctx, self.prefill = runner, num, ctx, prefill
         self.blocks_per_seq = blocks_per_seq
         self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True)
@@ -50,8 +50,6 @@ class StepDriver:
         return [self.rng.randint(0, 10000) for _ in range(n)]
 
     def start_decodes(self) -> Any:
-        from minivllm.protocol.messages import NewRequestData
-
         ids = [str(i) for i in range(self.num)]
         bps = self.blocks_per_seq
         new = [
@@ -64,8 +62,6 @@ class StepDriver:
         return self._launch(new, dict.fromkeys(ids, 1))
 
     def decode(self) -> Any:
-        from minivllm.protocol.messages import CachedRequestData
-
         ids = [str(i) for i in range(self.num)]
         computed = [self.ctx - 1 + self.step_id] * self.num
         cached = CachedRequestData(ids, [[] for _ in ids], computed)
@@ -73,8 +69,6 @@ class StepDriver:
 
     def prompt(self) -> Any:
         """A fresh prompt in blocks 0.. (the previous one is finished first)."""
-        from minivllm.protocol.messages import NewRequestData
-
         rid = f"p{self.step_id}"
         blocks = list(range(-(-self.prefill // self.runner.block_size)))
         new = NewRequestData(rid, self._prompt(self.prefill), self.prefill, self.params, blocks, 0)
@@ -83,8 +77,6 @@ class StepDriver:
         return self._launch([new], {rid: self.prefill}, finished=finished)
 
     def _launch(self, new: list, scheduled: dict, cached: Any = None, finished: Any = ()) -> Any:
-        from minivllm.protocol.messages import CachedRequestData, SchedulerOutput
-
         so = SchedulerOutput(
             self.step_id,
             scheduled_new_reqs=new,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.config import EngineConfig
+from minivllm.frontend.bench import structured
 from minivllm.frontend.bench.common import (
     add_bench_args,
     max_token_id,
@@ -40,12 +41,16 @@ from minivllm.frontend.bench.common import (
     token_prompts,
     write_json,
 )
+from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
+from minivllm.frontend.bench.geometry import num_parameters
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
     random_workload,
     reference_workload,
 )
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -124,10 +129,7 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
     if args.penalties:
         extra.update(PENALTIES)
     if args.structured_outputs:
-        from minivllm.frontend.bench.structured import SCHEMA
-        from minivllm.protocol.structured_outputs import StructuredOutputsParams
-
-        schema = {"structured_outputs": StructuredOutputsParams(json=SCHEMA)}
+        schema = {"structured_outputs": StructuredOutputsParams(json=structured.SCHEMA)}
         return [("plain", extra), ("json-schema", schema)]
     if not args.sampling_variants:
         return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
@@ -150,8 +152,6 @@ def run_minivllm(
 ) -> RunResult:
     """Warm up on a few other prompts (so the prefix cache gives the timed run nothing),
     then time one `generate` of the whole workload; `extra`: more SamplingParams."""
-    from minivllm.protocol.sampling_params import SamplingParams
-
     extra = extra or {}
     max_id = max(max(p) for p in workload.prompts)
     warm = random_workload(min(8, len(workload.prompts)), 32, 16, seed=12345, vocab_limit=max_id)
@@ -185,9 +185,6 @@ def print_vllm_lines(r: RunResult) -> None:
 def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict:
     """Measure the device copy bandwidth now and compare the run with the traffic floors of
     a 16-bit and an FP8 KV cache (the one this run used first)."""
-    from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
-    from minivllm.frontend.bench.geometry import num_parameters
-
     hf_config, dtype = config.model.hf_config, config.model.dtype
     heads = int(hf_config["num_attention_heads"])
     bandwidth = measure_copy_bandwidth()
@@ -256,10 +253,8 @@ def main(args: argparse.Namespace) -> dict:
                 results[name] = run = run_minivllm(llm, workload, args.temperature, extra)
                 print_vllm_lines(run)
                 if "structured_outputs" in extra:
-                    from minivllm.frontend.bench.structured import summarize
-
                     eos = llm.llm_engine.input_processor.eos_token_ids
-                    figures["structured_outputs"] = summarize(run.outputs, eos)
+                    figures["structured_outputs"] = structured.summarize(run.outputs, eos)
         finally:
             llm.shutdown()
         base_name, result = next(iter(results.items()))
