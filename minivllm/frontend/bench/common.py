@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
@@ -44,8 +46,6 @@ def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) ->
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -7,6 +7,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Floor:
@@ -47,8 +49,6 @@ def memory_floor(
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 10) -> float:
     """Device-to-device copy bandwidth on CUDA in bytes/s, counting bytes read + written
     (median of `iters` timed copies after a warm-up)."""
-    import torch
-
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -18,6 +18,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from minivllm.frontend.bench.common import (
     add_bench_args,
     bench_engine_args,
@@ -74,8 +76,6 @@ class PrefillLogits:
     KV cache of a given dtype (the caches are allocated per call, sized to the prompt)."""
 
     def __init__(self, config: Any) -> None:
-        import torch
-
         from minivllm.worker.attention.selector import get_attention_backend
         from minivllm.worker.distributed.parallel_state import TPGroup
         from minivllm.worker.model_loader import load_model
@@ -92,8 +92,6 @@ class PrefillLogits:
         self.model = load_model(config.model, self.device, TPGroup(), backend)
 
     def __call__(self, tokens: list[int], kv_dtype: Any, compute_kv_scales: bool = False) -> Any:
-        import torch
-
         from minivllm.worker.attention.metadata import one_prompt_metadata
         from minivllm.worker.kv_cache_memory import KVCacheShape
 
@@ -109,8 +107,6 @@ class PrefillLogits:
 
 def compare(config: Any, prompts: list[list[int]], hf_model: Any = None) -> dict[str, Agreement]:
     """Agreement of the FP8-cache run (and, against transformers, the reference run too)."""
-    import torch
-
     from minivllm.worker.ops.kv_cache import FP8
 
     run = PrefillLogits(config)

@@ -18,6 +18,9 @@ import random
 import time
 from typing import Any
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
@@ -90,8 +93,6 @@ class StepDriver:
 
 
 def _gpu_ms(fn: Any, reps: int = 20) -> float:
-    import torch
-
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     start.record()
@@ -103,8 +104,6 @@ def _gpu_ms(fn: Any, reps: int = 20) -> float:
 
 
 def main(args: argparse.Namespace) -> dict:
-    import torch
-
     from minivllm.worker.worker import Worker
 
     figures: dict[str, Any] = {}
@@ -155,8 +154,6 @@ def main(args: argparse.Namespace) -> dict:
             replay = _gpu_ms(lambda: runner.graphs.decode.replay(size))
             print(f"  graph replay (B={size}) GPU {replay:.2f} ms")
             figures["graph_replay_ms"] = replay
-        from torch.profiler import ProfilerActivity, profile
-
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             for _ in range(5):
