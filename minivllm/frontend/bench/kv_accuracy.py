@@ -45,7 +45,7 @@ class Agreement:
     positions: int = 0
     top1_equal: int = 0
     kl_sum: float = 0.0
-    kl_max: float = 0.0
+    max_kl: float = 0.0
 
     def add(self, ref_logits: Any, logits: Any) -> None:
         ref_logp = ref_logits.float().log_softmax(-1)
@@ -54,7 +54,7 @@ class Agreement:
         self.positions += kl.numel()
         self.top1_equal += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
         self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.max_kl = max(self.max_kl, float(kl.max()))
 
     @property
     def top1(self) -> float:
@@ -67,7 +67,7 @@ class Agreement:
     def line(self, what: str) -> str:
         return (
             f"{what}: top-1 agreement {100 * self.top1:.2f}% of {self.positions} positions, "
-            f"mean KL {self.mean_kl:.2e}, max KL {self.kl_max:.2e}"
+            f"mean KL {self.mean_kl:.2e}, max KL {self.max_kl:.2e}"
         )
 
 
@@ -152,10 +152,7 @@ def main(args: argparse.Namespace) -> dict:
     for what, agreement in results.items():
         print(agreement.line(what))
         figures[what] = {
-            "positions": agreement.positions,
-            "top1": agreement.top1,
-            "mean_kl": agreement.mean_kl,
-            "max_kl": agreement.kl_max,
+            k: getattr(agreement, k) for k in ("positions", "top1", "mean_kl", "max_kl")
         }
     write_json(args.output_json, figures)
     return figures

@@ -43,6 +43,7 @@ class StepDriver:
 
     def __init__(self, runner: Any, num: int, ctx: int, prefill: int, blocks_per_seq: int) -> None:
         self.runner, self.num, self.ctx, self.prefill = runner, num, ctx, prefill
+        self.ids = [str(i) for i in range(num)]  # of the decoding sequences
         self.blocks_per_seq = blocks_per_seq
         self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True)
         self.rng = random.Random(0)
@@ -53,22 +54,20 @@ class StepDriver:
         return [self.rng.randint(0, 10000) for _ in range(n)]
 
     def start_decodes(self) -> Any:
-        ids = [str(i) for i in range(self.num)]
         bps = self.blocks_per_seq
         new = [
             NewRequestData(
                 rid, self._prompt(self.ctx), self.ctx, self.params,
                 list(range(i * bps, (i + 1) * bps)), self.ctx - 1,
             )
-            for i, rid in enumerate(ids)
+            for i, rid in enumerate(self.ids)
         ]  # fmt: skip
-        return self._launch(new, dict.fromkeys(ids, 1))
+        return self._launch(new, dict.fromkeys(self.ids, 1))
 
     def decode(self) -> Any:
-        ids = [str(i) for i in range(self.num)]
         computed = [self.ctx - 1 + self.step_id] * self.num
-        cached = CachedRequestData(ids, [[] for _ in ids], computed)
-        return self._launch([], dict.fromkeys(ids, 1), cached)
+        cached = CachedRequestData(self.ids, [[] for _ in self.ids], computed)
+        return self._launch([], dict.fromkeys(self.ids, 1), cached)
 
     def prompt(self) -> Any:
         """A fresh prompt in blocks 0.. (the previous one is finished first)."""
