@@ -166,9 +166,9 @@ class EngineCoreProc:
         try:
             self.engine_core.shutdown()
         finally:
-            transport.close_socket(self.input_sock, linger=0)
+            self.input_sock.close(linger=0)
             # the bounded linger lets the death notice above reach the clients
-            transport.close_socket(self.output_sock)
+            self.output_sock.close()
             if self.authenticator is not None:
                 self.authenticator.stop()
             self.ctx.term()

@@ -273,6 +273,6 @@ class MultiprocExecutor(Executor):
                 self._broadcast(ShutdownWorker())
         self._stop_workers(graceful)
         for sock in [*self.step_socks, self.results]:
-            transport.close_socket(sock, linger=0)
+            sock.close(linger=0)
         self.ctx.term()
         transport.cleanup_ipc(self.ipc_dir)
