@@ -103,12 +103,8 @@ class EngineCore:
         """Abort requests (only those of `client_id`, when given). No output is sent: the
         client that aborts already knows."""
         if client_id is not None:
-            owned = []
-            for r in request_ids:
-                req = self.scheduler.get_request(r)
-                if req is not None and req.client_id == client_id:
-                    owned.append(r)
-            request_ids = owned
+            held = self.scheduler.requests
+            request_ids = [r for r in request_ids if r in held and held[r].client_id == client_id]
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -199,14 +195,11 @@ class EngineCore:
         if method == UtilityMethod.STATS:
             return self.stats()
         if method == UtilityMethod.RESET_PREFIX_CACHE:
-            return self.reset_prefix_cache()
+            return self.scheduler.kv_cache_manager.reset_prefix_cache()
         if method == UtilityMethod.HEALTH:
             self.executor.check_health()
             return True
         raise ValueError(f"utility method {method.name} is not served by the step loop")
-
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict:
         import msgspec
