@@ -19,7 +19,7 @@ from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
 from minivllm.engine_core.step_trace import StepTrace
-from minivllm.engine_core.structured_output import StructuredOutputManager
+from minivllm.engine_core.structured_output.manager import StructuredOutputManager
 from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
