@@ -28,6 +28,7 @@ from minivllm.protocol.limits import (
 )
 
 MAX_JSON_NESTING = 64  # vLLM's limit on objects and arrays nested in a schema
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # exactly one is set
 
 
 class GrammarKind(enum.IntEnum):
@@ -59,11 +60,7 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [
-            name
-            for name in ("json", "regex", "choice", "grammar", "json_object")
-            if getattr(self, name) is not None
-        ]
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
             which = f"but {', '.join(given)} are specified" if given else "but none is specified"
             raise ValueError(
