@@ -57,20 +57,15 @@ class RayWorker:
         serve(engine_config, rank, step_address, result_address, store_host=host)
 
 
-def _import_ray():
+def connect_ray():
+    """Join the Ray cluster (RAY_ADDRESS, else the one `ray start` made here, else a new
+    local one), keeping this process's SIGTERM handler, which `ray.init` replaces."""
     try:
         import ray
     except ImportError:
         raise ValueError(
             "distributed_executor_backend='ray' needs Ray: pip install 'minivllm[ray]'"
         ) from None
-    return ray
-
-
-def connect_ray():
-    """Join the Ray cluster (RAY_ADDRESS, else the one `ray start` made here, else a new
-    local one), keeping this process's SIGTERM handler, which `ray.init` replaces."""
-    ray = _import_ray()
     if not ray.is_initialized():
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if main else None
