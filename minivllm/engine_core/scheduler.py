@@ -120,9 +120,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(

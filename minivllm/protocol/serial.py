@@ -99,7 +99,6 @@ WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded,
 # which matters only for a burst of long prompts in one step: 3 ms instead of 0.6 ms for
 # 256 x 512 tokens, once.
 DEFAULT_AUX_THRESHOLD: int | None = 256
-ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 
 _INT32 = np.dtype("<i4")  # explicit byte order: tcp:// peers may differ in endianness
 _Slots = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]  # moved lists in one message
