@@ -136,7 +136,7 @@ class EngineCore:
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 if self.trace.enabled:
-                    self.trace.launched(so, self.structured.num_compiling)
+                    self.trace.launched(so, len(self.structured.waiting))
                 self.batch_queue.append((so, self.executor.execute_model(so)))
                 if so.structured_output_req_ids and len(self.batch_queue) == 1:
                     self._send_bitmask(so)

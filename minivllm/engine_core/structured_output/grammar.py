@@ -79,12 +79,11 @@ class GrammarCompiler:
 
         xgr = xgrammar()
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
-        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
         # a quarter of the cores per compile: the busy loop, the workers' host threads and
         # the bitmask fills keep theirs
         threads = max(1, min(8, (os.cpu_count() or 1) // 4))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`); raises ValueError
