@@ -260,12 +260,11 @@ class EngineCoreProc:
                 )
                 if decoded is None:
                     continue
-                client, msg = decoded
-                if isinstance(msg, ClientHello):
-                    routable.add(client)
-                    send(client, encoder.encode(RouteReady(client)))
-                    for frames_ in pending.pop(client, []):
-                        send(client, frames_)
+                client = decoded[0]  # a ClientHello, the only message this socket decodes
+                routable.add(client)
+                send(client, encoder.encode(RouteReady(client)))
+                for frames_ in pending.pop(client, []):
+                    send(client, frames_)
             try:
                 item = self.output_queue.get(timeout=0.05)
             except queue.Empty:

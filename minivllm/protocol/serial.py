@@ -116,7 +116,6 @@ class MsgEncoder:
 
     def __init__(self, aux_threshold: int | None = DEFAULT_AUX_THRESHOLD) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._encode_array)
-        self._slot_encoder = msgspec.msgpack.Encoder()
         self.aux_threshold = aux_threshold
         self._array_frames: Frames = []  # of the message being encoded
 
@@ -138,7 +137,7 @@ class MsgEncoder:
             self._array_frames = []
         if not slots and not arrays:
             return [head]
-        return [head, self._slot_encoder.encode(slots), *aux, *arrays]
+        return [head, self._encoder.encode(slots), *aux, *arrays]
 
     def _encode_array(self, obj: Any) -> Any:
         if not isinstance(obj, np.ndarray):
