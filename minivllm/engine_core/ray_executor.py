@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import msgspec
 
@@ -145,8 +144,5 @@ class RayExecutor(MultiprocExecutor):
 
             remove_placement_group(self.placement)
             self.placement = None
-        deadline = time.monotonic() + 5.0
-        while self.runs and time.monotonic() < deadline:  # the actors' ends are seen
-            done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=0.2)
-            if len(done) == len(self.runs):
-                break
+        if self.runs:  # until the actors' ends are seen
+            self.ray.wait(self.runs, num_returns=len(self.runs), timeout=5.0)
