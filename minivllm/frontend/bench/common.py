@@ -11,14 +11,18 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from minivllm.config import EngineArgs
-from minivllm.frontend.arg_utils import engine_args_from
+from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
     DEFAULT_GPU_GEOMETRY,
     GEOMETRIES,
     write_geometry,
 )
+from minivllm.frontend.llm import LLM
+from minivllm.process_utils import freeze_startup_heap
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +35,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
+    """--geometry, EngineArgs' flags (--model optional) and --output-json (`write_json`)."""
+    add_model_args(parser)
+    add_engine_args(parser, model_required=False)
+    if output_json:
+        parser.add_argument("--output-json", default=None, help="write the figures to this file")
+
+
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -67,12 +77,9 @@ def bench_engine_args(
 
 def start_llm(
     args: argparse.Namespace, model: str, geometry: str | None, max_len: int, **overrides: Any
-) -> Any:
+) -> LLM:
     """The `LLM` of a bench command (`bench_engine_args`); a geometry's context fits
     `max_len` tokens (4096 at least) unless --max-model-len says otherwise."""
-    from minivllm.frontend.llm import LLM
-    from minivllm.process_utils import freeze_startup_heap
-
     if geometry is not None and args.max_model_len is None:
         overrides["max_model_len"] = max(4096, max_len)
     llm = LLM(**dataclasses.asdict(bench_engine_args(args, model, geometry, **overrides)))
