@@ -11,9 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from minivllm.config import EngineArgs
+from minivllm.config import EngineArgs, resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
@@ -41,12 +39,6 @@ def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) ->
     add_engine_args(parser, model_required=False)
     if output_json:
         parser.add_argument("--output-json", default=None, help="write the figures to this file")
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @contextlib.contextmanager

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from minivllm.config import resolve_device
 from minivllm.frontend.bench.common import (
     add_bench_args,
     bench_engine_args,
     max_token_id,
     model_dir,
-    resolve_device,
     write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload

@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, resolve_device
 from minivllm.frontend.bench import structured
 from minivllm.frontend.bench.common import (
     add_bench_args,
     max_token_id,
     model_dir,
-    resolve_device,
     start_llm,
     token_prompts,
     write_json,
