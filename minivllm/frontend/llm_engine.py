@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig
@@ -51,9 +50,6 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue one request; raises ValueError (naming the parameter) if invalid."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        arrival_time = time.time() if arrival_time is None else arrival_time
         requests = self.output_processor.add_user_request(
             request_id, prompt, params, self.input_processor, arrival_time
         )
