@@ -36,38 +36,32 @@ from minivllm.protocol.messages import (
 DEFAULT_BLOCK_SIZE = 16  # prefix affinity's block when attached to daemons of unknown size
 
 
-def _spawn_all(client_class, config: EngineConfig) -> list[Any]:
-    """Spawn every rank's engine-core at once (their start-ups overlap), then attach a
-    client to each in turn; if any fails, stop them all and raise, naming the rank."""
-    launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
+def _attach_all(
+    client_class, targets: list[str] | list[EngineCoreLaunch], curve: CurveClientKeys | None = None
+) -> tuple[list[Any], list[str]]:
+    """Attach a client to each engine-core, spawned (its start-ups overlap the attaches
+    before it) or a daemon at an address; all must serve the same model. If any fails, stop
+    them all and raise, naming the rank. Returns the clients and their input addresses."""
     clients: list[Any] = []
     try:
-        for i, launch in enumerate(launches):
+        for i, target in enumerate(targets):
             try:
-                clients.append(client_class(address=launch))
+                clients.append(client_class(address=target, curve=curve))
             except EngineStartupError as e:
-                raise EngineStartupError(f"engine-core {i} of {len(launches)}: {e}") from e
-    except BaseException:
-        for c in clients:
-            c.shutdown()
-        for launch in launches[len(clients) + 1 :]:
-            launch.cancel()
-        raise
-    return clients
-
-
-def _connect_all(client_class, addresses: list[str], curve: CurveClientKeys | None) -> list[Any]:
-    """Attach a client to each daemon; all must serve the same model."""
-    clients: list[Any] = []
-    try:
-        for address in addresses:
-            clients.append(client_class.connect(address, curve))
+                raise EngineStartupError(f"engine-core {i} of {len(targets)}: {e}") from e
+        addresses = [
+            t if isinstance(t, str) else c.info.input_address
+            for c, t in zip(clients, targets, strict=True)
+        ]
         _check_same_model([c.info for c in clients], addresses)
     except BaseException:
         for c in clients:
             c.shutdown()
+        for target in targets[len(clients) + 1 :]:
+            if isinstance(target, EngineCoreLaunch):
+                target.cancel()
         raise
-    return clients
+    return clients, addresses
 
 
 _SAME_MODEL_FIELDS = ("model", "tokenizer", "max_model_len")
@@ -100,7 +94,7 @@ class _DPClient:
     clients: list[_MPClient]
     client_class: type[_MPClient]
 
-    def __init__(self, clients: list[_MPClient], block_size: int, addresses: list[str]) -> None:
+    def __init__(self, clients: list[_MPClient], addresses: list[str], block_size: int) -> None:
         self.clients = clients
         self.addresses = addresses
         self.router = DPRouter(len(clients), block_size)
@@ -109,13 +103,12 @@ class _DPClient:
 
     @classmethod
     def start(cls, config: EngineConfig) -> Self:
-        clients = _spawn_all(cls.client_class, config)
-        return cls(clients, config.cache.block_size, [c.info.input_address for c in clients])
+        launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
+        return cls(*_attach_all(cls.client_class, launches), config.cache.block_size)
 
     @classmethod
     def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> Self:
-        clients = _connect_all(cls.client_class, addresses, curve)
-        return cls(clients, DEFAULT_BLOCK_SIZE, list(addresses))
+        return cls(*_attach_all(cls.client_class, list(addresses), curve), DEFAULT_BLOCK_SIZE)
 
     def engine_config(self) -> EngineConfig:
         """The config to work with when attached to daemons (they serve the same model)."""
@@ -202,8 +195,8 @@ class DPSyncClient(_DPClient, EngineCoreClient):
     clients: list[SyncMPClient]
     client_class = SyncMPClient
 
-    def __init__(self, clients: list[SyncMPClient], block_size: int, addresses: list[str]) -> None:
-        super().__init__(clients, block_size, addresses)
+    def __init__(self, clients: list[SyncMPClient], addresses: list[str], block_size: int) -> None:
+        super().__init__(clients, addresses, block_size)
         self._deaths: deque[EngineDeadError] = deque()
 
     def _on_death(self, engine: int, error: BaseException) -> None:
@@ -240,10 +233,10 @@ class DPSyncClient(_DPClient, EngineCoreClient):
                     out = pending.popleft()
                     self._account(e, out)
                     return out
-            if self._deaths:
-                err = self._deaths.popleft()
-                if not isinstance(err, EngineCoreDeadError):
-                    self._deaths.appendleft(err)  # every later caller learns it too
+            if self._deaths:  # every later caller learns of a dead engine too
+                err = self._deaths[0]
+                if isinstance(err, EngineCoreDeadError):
+                    self._deaths.popleft()
                 raise err
             for e in alive:
                 poller.register(self.clients[e].output_sock, zmq.POLLIN)
@@ -280,8 +273,8 @@ class DPAsyncClient(_DPClient):
     clients: list[AsyncMPClient]
     client_class = AsyncMPClient
 
-    def __init__(self, clients: list[AsyncMPClient], block_size: int, addresses: list[str]) -> None:
-        super().__init__(clients, block_size, addresses)
+    def __init__(self, clients: list[AsyncMPClient], addresses: list[str], block_size: int) -> None:
+        super().__init__(clients, addresses, block_size)
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -315,9 +308,6 @@ class DPAsyncClient(_DPClient):
         err = self._died(engine, error)
         if err is not None and self.outputs is not None:
             self.outputs.put_nowait(err)
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._ensure_started()
