@@ -152,17 +152,13 @@ class AsyncLLM:
                         queue.put(ValueError(f"request {request_id} failed: {error}"))
                 if processed.reqs_to_abort:
                     await self.client.abort_requests_async(processed.reqs_to_abort)
-        except EngineDeadError as e:
+        except Exception as e:  # cancellation (a BaseException) passes
+            if not isinstance(e, EngineDeadError):  # a bug here must not leave callers hanging
+                logger.exception("output handler failed")
+                e = EngineDeadError(f"the frontend's output handler failed: {e}")
             self.dead = e
             for queue in self._queues.values():
                 queue.put(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug here must not leave callers hanging
-            logger.exception("output handler failed")
-            self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
-            for queue in self._queues.values():
-                queue.put(self.dead)
 
     def do_log_stats(self) -> None:
         """Have the stat loggers report (the periodic log line)."""
