@@ -142,15 +142,27 @@ class _DPClient:
             lost,
         )
 
-    def _choose(self, requests: list[EngineCoreRequest]) -> int:
-        try:
-            engine = self.router.choose(requests[0].prompt_token_ids)
-        except LookupError:
-            raise EngineDeadError(
-                f"the engine is dead: every engine-core died: {self.router.dead}"
-            ) from None
-        self.router.assign([r.request_id for r in requests], requests[0].prompt_token_ids, engine)
-        return engine
+    def _route(self, requests: list[EngineCoreRequest]) -> int:
+        """The core to send `requests` (one user request) to; a core found dead on the way
+        is marked so, and the next one chosen."""
+        prompt = requests[0].prompt_token_ids
+        while True:
+            try:
+                engine = self.router.choose(prompt)
+            except LookupError:
+                raise EngineDeadError(
+                    f"the engine is dead: every engine-core died: {self.router.dead}"
+                ) from None
+            try:
+                self.clients[engine]._check_alive()
+            except EngineDeadError as e:
+                self._on_death(engine, e)
+                continue
+            self.router.assign([r.request_id for r in requests], prompt, engine)
+            return engine
+
+    def _on_death(self, engine: int, error: BaseException) -> None:
+        raise NotImplementedError
 
     def _forget(self, request_ids: list[str]) -> dict[int, list[str]]:
         """Stop tracking aborted requests; their ids by the live core that holds them."""
@@ -208,16 +220,7 @@ class DPSyncClient(_DPClient, EngineCoreClient):
         self.add_requests([request])
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        while True:
-            engine = self._choose(requests)
-            try:
-                self.clients[engine].add_request(requests[0])
-                break
-            except EngineDeadError as e:  # nothing sent: try another core
-                self._forget([r.request_id for r in requests])
-                self._on_death(engine, e)
-        for r in requests[1:]:
-            self.clients[engine].add_request(r)
+        self.clients[self._route(requests)].add_requests(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():
@@ -311,16 +314,7 @@ class DPAsyncClient(_DPClient):
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._ensure_started()
-        while True:
-            engine = self._choose(requests)
-            try:
-                await self.clients[engine].add_request_async(requests[0])
-                break
-            except EngineDeadError as e:  # nothing sent: try another core
-                self._forget([r.request_id for r in requests])
-                self._on_death(engine, e)
-        for r in requests[1:]:
-            await self.clients[engine].add_request_async(r)
+        await self.clients[self._route(requests)].add_requests_async(requests)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():
