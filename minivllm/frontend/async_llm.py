@@ -7,12 +7,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.dp_client import DPAsyncClient, attach_client, make_client
-from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
@@ -76,7 +75,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import attach_client, make_client
-from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
@@ -45,7 +43,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
