@@ -130,14 +130,6 @@ class RequestState:
         """For the next RequestOutput (DELTA: only the first that has them)."""
         return None if self.logprobs is None else self.logprobs.prompt_logprobs(self.delta)
 
-    def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
-        """Take one step's ids; return the stop string that ended the text, if any."""
-        if not self.delta:
-            self.token_ids.extend(new_token_ids)
-        if self.detokenizer is None:
-            return None
-        return self.detokenizer.update(new_token_ids, finish_reason)
-
     def completion(
         self,
         new_token_ids: list[int],
@@ -233,7 +225,11 @@ class OutputProcessor:
                 continue
             if state.logprobs is not None:
                 state.logprobs.add(out.new_logprobs, out.new_prompt_logprobs)
-            stop_string = state.update(out.new_token_ids, finish_reason)
+            if not state.delta:
+                state.token_ids.extend(out.new_token_ids)
+            stop_string = None  # the stop string that ended the text, if any
+            if state.detokenizer is not None:
+                stop_string = state.detokenizer.update(out.new_token_ids, finish_reason)
             if stop_string is not None:
                 if finish_reason is None:
                     result.reqs_to_abort.append(state.internal_id)
