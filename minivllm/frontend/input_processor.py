@@ -209,14 +209,13 @@ class InputProcessor:
                 f"(valid ids are 0..{self.max_token_id})"
             )
         if params.structured_outputs is not None:
-            self._validate_structured_outputs(params.structured_outputs)
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs need a tokenizer, but skip_tokenizer_init=True"
+                )
+            from minivllm.engine_core.structured_output.grammar import check
 
-    def _validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
-        from minivllm.engine_core.structured_output.grammar import check
-
-        check(params)
+            check(params.structured_outputs)
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """The token sequences `bad_words` forbids, as vLLM finds them: each word without a
