@@ -22,34 +22,6 @@ from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 logger = logging.getLogger("minivllm.stats")
 
 
-class PrefixCacheHitRate:
-    """Hit rate over the last `max_updates` scheduler updates that looked tokens up."""
-
-    def __init__(self, max_updates: int = 1000) -> None:
-        self.max_updates = max_updates
-        self.window: deque[tuple[int, int]] = deque()  # (queries, hits) per update
-        self.queries = self.hits = 0
-
-    def observe(self, queries: int, hits: int) -> None:
-        if queries <= 0:
-            return
-        self.window.append((queries, hits))
-        self.queries += queries
-        self.hits += hits
-        while len(self.window) > self.max_updates:
-            old_queries, old_hits = self.window.popleft()
-            self.queries -= old_queries
-            self.hits -= old_hits
-
-    @property
-    def empty(self) -> bool:
-        return self.queries == 0
-
-    @property
-    def rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
 class LoggingStatLogger:
     """Accumulates token counts between `log()` calls and prints vLLM's stats line."""
 
@@ -61,8 +33,9 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.num_preemptions = 0
         self.last_throughputs = (0.0, 0.0)  # (prompt, generation) of the previous line
-        self.scheduler: SchedulerUpdate | None = None
-        self.prefix_cache = PrefixCacheHitRate()
+        self.scheduler = SchedulerUpdate(0, 0, 0.0, 0, 0, 0)  # the last one reported
+        # (queries, hits) of the last 1000 scheduler updates that looked tokens up
+        self.prefix_cache: deque[tuple[int, int]] = deque(maxlen=1000)
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
         if (it := iteration) is not None:
@@ -71,9 +44,9 @@ class LoggingStatLogger:
         if scheduler is not None:
             self.scheduler = scheduler
             self.num_preemptions += scheduler.new_preemptions
-            self.prefix_cache.observe(
-                scheduler.new_prefix_cache_queries, scheduler.new_prefix_cache_hits
-            )
+            if scheduler.new_prefix_cache_queries > 0:
+                queries, hits = scheduler.new_prefix_cache_queries, scheduler.new_prefix_cache_hits
+                self.prefix_cache.append((queries, hits))
 
     def log(self) -> None:
         now = time.monotonic()
@@ -85,25 +58,19 @@ class LoggingStatLogger:
         self.last_log_time = now
         self.num_prompt_tokens = self.num_generation_tokens = self.num_preemptions = 0
 
-        scheduler = self.scheduler
+        sched = self.scheduler
         parts = [
-            "Avg prompt throughput: %.1f tokens/s",
-            "Avg generation throughput: %.1f tokens/s",
-            "Running: %d reqs",
-            "Waiting: %d reqs",
-        ]
-        args: list[object] = [
-            *throughputs,
-            scheduler.num_running if scheduler else 0,
-            scheduler.num_waiting if scheduler else 0,
+            f"Avg prompt throughput: {throughputs[0]:.1f} tokens/s",
+            f"Avg generation throughput: {throughputs[1]:.1f} tokens/s",
+            f"Running: {sched.num_running} reqs",
+            f"Waiting: {sched.num_waiting} reqs",
         ]
         if preemptions:
-            parts.append("Preemptions: %d")
-            args.append(preemptions)
-        parts.append("%s KV cache usage: %.1f%%")
-        args += [self.kv_cache_device, 100 * (scheduler.kv_cache_usage if scheduler else 0.0)]
-        if not self.prefix_cache.empty:
-            parts.append("Prefix cache hit rate: %.1f%%")
-            args.append(100 * self.prefix_cache.rate)
+            parts.append(f"Preemptions: {preemptions}")
+        parts.append(f"{self.kv_cache_device} KV cache usage: {100 * sched.kv_cache_usage:.1f}%")
+        queries = sum(update[0] for update in self.prefix_cache)
+        if queries:
+            hits = sum(update[1] for update in self.prefix_cache)
+            parts.append(f"Prefix cache hit rate: {100 * hits / queries:.1f}%")
         log = logger.debug if idle else logger.info
-        log(self.prefix + ", ".join(parts), *args)
+        log(self.prefix + ", ".join(parts))  # no args: the "%" signs stay as they are

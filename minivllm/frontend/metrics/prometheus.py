@@ -8,7 +8,9 @@ registry has); `generate_latest(logger.registry)` is the body of `/metrics`.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -22,6 +24,8 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
+
+M = TypeVar("M", Gauge, Counter)
 
 # vLLM's bucket boundaries (vllm/v1/metrics/buckets.py)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0)
@@ -39,13 +43,8 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
-    buckets, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_model_len:
-                return buckets
-            buckets.append(mantissa * scale)
-        scale *= 10
+    steps = (m * 10**e for e in range(len(str(max_model_len))) for m in (1, 2, 5))
+    return [step for step in steps if step <= max_model_len]
 
 
 class Histogram(Collector):
@@ -74,10 +73,8 @@ class Histogram(Collector):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
-        cumulative, buckets = 0, []
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        bounds = [*map(str, self.bounds), "+Inf"]
+        buckets = list(zip(bounds, itertools.accumulate(self.counts), strict=True))
         family.add_metric(list(self.labels.values()), buckets, self.sum)
         yield family
 
@@ -90,13 +87,19 @@ class PrometheusStatLogger:
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
         labels = {"model_name": model_name, "engine": str(engine_index)}
-        names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=registry).labels(**labels)
+            return Gauge(name, doc, list(labels), registry=registry).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=registry).labels(**labels)
+            return Counter(name, doc, list(labels), registry=registry).labels(**labels)
+
+        def by_label(
+            kind: type[M], name: str, doc: str, label: str, values: Sequence[str]
+        ) -> dict[str, M]:
+            """A gauge or counter with one more label: its child per value, by value."""
+            family = kind(name, doc, [*labels, label], registry=registry)
+            return {v: family.labels(**labels, **{label: v}) for v in values}
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets, registry)
@@ -124,39 +127,32 @@ class PrometheusStatLogger:
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-
-        def counters(name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Counter]:
-            """One counter per value of one more label."""
-            family = Counter(name, doc, [*names, label], registry=registry)
-            return {v: family.labels(**labels, **{label: v}) for v in values}
-
-        def gauges(name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Gauge]:
-            family = Gauge(name, doc, [*names, label], registry=registry)
-            return {v: family.labels(**labels, **{label: v}) for v in values}
-
         # every waiting request waits for capacity (nothing here defers one), the prefix
         # cache is on the device, and the engine never sleeps: vLLM's breakdowns, constant
-        self.waiting_by_reason = gauges(
+        self.waiting_by_reason = by_label(
+            Gauge,
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason.",
             "reason",
             ("capacity", "deferred"),
         )
-        self.prompt_tokens_cached_by_source = counters(
+        self.prompt_tokens_cached_by_source = by_label(
+            Counter,
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them.",
             "source",
             ("device",),
         )
-        sleep_state = gauges(
+        sleep_state = by_label(
+            Gauge,
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 1 means the engine is awake.",
             "sleep_state",
             ("awake", "weights_offloaded", "discard_all"),
         )
         sleep_state["awake"].set(1)
-
-        self.prompt_tokens_by_source = counters(
+        self.prompt_tokens_by_source = by_label(
+            Counter,
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             "source",
@@ -165,89 +161,87 @@ class PrometheusStatLogger:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self.request_success = counters(
+        self.request_success = by_label(
+            Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
             "finished_reason",
             FINISH_REASONS,
         )
         tokens = request_tokens_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
-        )
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
         )
-        self.max_num_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.",
-            tokens,
-        )
-        self.params_n = histogram(
-            "vllm:request_params_n",
-            "Histogram of the n request parameter.",
-            REQUEST_PARAMS_N_BUCKETS,
-        )
-        self.params_max_tokens = histogram(
-            "vllm:request_params_max_tokens",
-            "Histogram of the max_tokens request parameter.",
-            tokens,
-        )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS,
-        )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            ITL_BUCKETS,
-        )
-        self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            ITL_BUCKETS,
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.inference_time = histogram(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.decode_time = histogram(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_preemptions = histogram(
-            "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS,
-        )
+        # each value of the `IterationStats` list of that name is observed
+        self.per_iteration = {
+            "time_to_first_tokens": histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            ),
+            "inter_token_latencies": histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ITL_BUCKETS,
+            ),
+            "n_params": histogram(
+                "vllm:request_params_n",
+                "Histogram of the n request parameter.",
+                REQUEST_PARAMS_N_BUCKETS,
+            ),
+            "max_num_generation_tokens": histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+                tokens,
+            ),
+        }
         self.prefill_kv_computed = histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             tokens,
         )
+        # each finished request's `RequestStats` field of that name is observed
+        self.per_request = {
+            "num_prompt_tokens": histogram(
+                "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
+            ),
+            "num_generation_tokens": histogram(
+                "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+            ),
+            "max_tokens_param": histogram(
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                tokens,
+            ),
+            "mean_time_per_output_token": histogram(
+                "vllm:request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                ITL_BUCKETS,
+            ),
+            "e2e_latency": histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "num_preemptions": histogram(
+                "vllm:request_num_preemptions",
+                "Histogram of the number of times a request was preempted.",
+                REQUEST_NUM_PREEMPTIONS_BUCKETS,
+            ),
+        }
+        for field, name, phase in (
+            ("queued_time", "queue", "WAITING"),
+            ("inference_time", "inference", "RUNNING"),
+            ("prefill_time", "prefill", "PREFILL"),
+            ("decode_time", "decode", "DECODE"),
+        ):  # vllm:request_queue_time_seconds, ...
+            self.per_request[field] = histogram(
+                f"vllm:request_{name}_time_seconds",
+                f"Histogram of time spent in {phase} phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
         if scheduler is not None:
@@ -273,28 +267,16 @@ class PrometheusStatLogger:
             self.generation_tokens.inc(it.num_generation_tokens)
         if computed or it.num_generation_tokens:
             self.iteration_tokens.observe(computed + it.num_generation_tokens)
-        for ttft in it.time_to_first_tokens:
-            self.ttft.observe(ttft)
-        for itl in it.inter_token_latencies:
-            self.itl.observe(itl)
-        for n in it.n_params:
-            self.params_n.observe(n)
-        for max_generated in it.max_num_generation_tokens:
-            self.max_num_generation_tokens.observe(max_generated)
+        for field, histogram in self.per_iteration.items():
+            for value in getattr(it, field):
+                histogram.observe(value)
         for req in it.finished_requests:
             self.request_success[req.finish_reason].inc()
-            self.e2e.observe(req.e2e_latency)
-            self.queue_time.observe(req.queued_time)
-            self.prefill_time.observe(req.prefill_time)
-            self.inference_time.observe(req.inference_time)
-            self.decode_time.observe(req.decode_time)
-            self.tpot.observe(req.mean_time_per_output_token)
-            self.request_preemptions.observe(req.num_preemptions)
-            self.request_prompt_tokens.observe(req.num_prompt_tokens)
-            self.request_generation_tokens.observe(req.num_generation_tokens)
             self.prefill_kv_computed.observe(req.num_prompt_tokens - req.num_cached_tokens)
-            if req.max_tokens_param:
-                self.params_max_tokens.observe(req.max_tokens_param)
+            for field, histogram in self.per_request.items():
+                value = getattr(req, field)
+                if value is not None:  # max_tokens_param when the request set none
+                    histogram.observe(value)
 
     def log(self) -> None:
         """Prometheus is scraped, not logged."""

@@ -27,22 +27,40 @@ from minivllm.protocol.messages import (
 )
 
 
-@dataclass
-class FinishedRequestStats:
-    """One engine request (one of the `n` of a user request) that ended."""
+@dataclass(slots=True)
+class _Group:
+    """The n engine requests of one user request."""
 
-    finish_reason: str  # "stop", "length", "abort" or "error"
-    e2e_latency: float
+    n: int
+    unfinished: int
+    max_generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """One engine request (one of the `n` of a user request): its counts and engine-core
+    timestamps while it runs; once it ends, `IterationStats.finished_requests` holds it with
+    the fields below the line set (the phase times stay 0 if it never got a token)."""
+
+    group: _Group
+    arrival_time: float
     num_prompt_tokens: int
-    num_generation_tokens: int
     max_tokens_param: int | None
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    # ----- set when it ends
+    finish_reason: str = ""  # "stop", "length", "abort" or "error"
+    e2e_latency: float = 0.0
     queued_time: float = 0.0
     prefill_time: float = 0.0
     inference_time: float = 0.0
     decode_time: float = 0.0
     mean_time_per_output_token: float = 0.0
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -55,7 +73,7 @@ class IterationStats:
     num_cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    finished_requests: list[RequestStats] = field(default_factory=list)
     # per user request that ended here: its n, and the most tokens any of its n generated
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
@@ -85,37 +103,6 @@ class StatLogger(Protocol):
     def log(self) -> None: ...
 
 
-@dataclass(slots=True)
-class _Group:
-    """The n engine requests of one user request."""
-
-    n: int
-    unfinished: int
-    max_generation_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _RequestTimes:
-    group: _Group
-    arrival_time: float
-    num_prompt_tokens: int
-    max_tokens: int | None
-    queued_ts: float = 0.0
-    scheduled_ts: float = 0.0
-    first_token_ts: float = 0.0
-    last_token_ts: float = 0.0
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-
-_QUEUED, _SCHEDULED, _PREEMPTED = (
-    EngineCoreEventType.QUEUED,
-    EngineCoreEventType.SCHEDULED,
-    EngineCoreEventType.PREEMPTED,
-)
-
-
 class StatsCollector:
     """Tracks this frontend's engine requests from `add_requests` to their end and feeds
     the stat loggers. Requests it does not know (added before it, or by another frontend)
@@ -123,17 +110,16 @@ class StatsCollector:
 
     def __init__(self, loggers: list[StatLogger]) -> None:
         self.loggers = loggers
-        self.requests: dict[str, _RequestTimes] = {}  # by engine-internal id
+        self.requests: dict[str, RequestStats] = {}  # by engine-internal id
         self._last_cumulative = SchedulerStats()
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """The engine requests of one user request (n of them for n > 1)."""
         group = _Group(len(requests), len(requests))
         for r in requests:
-            times = _RequestTimes(
+            self.requests[r.request_id] = RequestStats(
                 group, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens
             )
-            self.requests[r.request_id] = times
 
     def record(self, outputs: EngineCoreOutputs, ended_here: Iterable[str] = ()) -> None:
         """One batch from the engine-core; `ended_here` are the internal ids the frontend
@@ -143,24 +129,24 @@ class StatsCollector:
         engine_ts = outputs.timestamp or now
         requests = self.requests
         for out in outputs.outputs:
-            times = requests.get(out.request_id)
-            if times is None:
+            req = requests.get(out.request_id)
+            if req is None:
                 continue
             if out.events:
-                self._apply_events(times, out.events)
+                self._apply_events(req, out.events)
             num_new = len(out.new_token_ids)
             if num_new:
                 it.num_generation_tokens += num_new
-                if times.num_generation_tokens == 0:
-                    it.time_to_first_tokens.append(now - times.arrival_time)
-                    it.num_prompt_tokens += times.num_prompt_tokens
+                if req.num_generation_tokens == 0:
+                    it.time_to_first_tokens.append(now - req.arrival_time)
+                    it.num_prompt_tokens += req.num_prompt_tokens
                     it.num_cached_prompt_tokens += out.num_cached_tokens
-                    times.num_cached_tokens = out.num_cached_tokens
-                    times.first_token_ts = engine_ts
+                    req.num_cached_tokens = out.num_cached_tokens
+                    req.first_token_ts = engine_ts
                 else:
-                    it.inter_token_latencies.append(engine_ts - times.last_token_ts)
-                times.num_generation_tokens += num_new
-                times.last_token_ts = engine_ts
+                    it.inter_token_latencies.append(engine_ts - req.last_token_ts)
+                req.num_generation_tokens += num_new
+                req.last_token_ts = engine_ts
             if out.finish_reason is not None:
                 self._finish(out.request_id, str(out.finish_reason), it)
         for internal_id in ended_here:
@@ -190,40 +176,31 @@ class StatsCollector:
         for logger in self.loggers:
             logger.log()
 
-    def _apply_events(self, times: _RequestTimes, events: list) -> None:
+    def _apply_events(self, req: RequestStats, events: list) -> None:
         for event in events:
-            if event.type == _QUEUED:
-                times.queued_ts = event.timestamp
-            elif event.type == _SCHEDULED:
-                if not times.scheduled_ts:  # the first time; later ones follow preemptions
-                    times.scheduled_ts = event.timestamp
-            elif event.type == _PREEMPTED:
-                times.num_preemptions += 1
+            if event.type == EngineCoreEventType.QUEUED:
+                req.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED:
+                if not req.scheduled_ts:  # the first time; later ones follow preemptions
+                    req.scheduled_ts = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                req.num_preemptions += 1
 
     def _finish(self, internal_id: str, reason: str, it: IterationStats) -> None:
-        times = self.requests.pop(internal_id, None)
-        if times is None:
+        req = self.requests.pop(internal_id, None)
+        if req is None:
             return
-        num_gen = times.num_generation_tokens
-        started = times.scheduled_ts > 0 and times.first_token_ts > 0
-        decode_time = times.last_token_ts - times.first_token_ts if started else 0.0
-        it.finished_requests.append(
-            FinishedRequestStats(
-                finish_reason=reason,
-                e2e_latency=it.timestamp - times.arrival_time,
-                num_prompt_tokens=times.num_prompt_tokens,
-                num_generation_tokens=num_gen,
-                max_tokens_param=times.max_tokens,
-                queued_time=max(0.0, times.scheduled_ts - times.queued_ts) if started else 0.0,
-                prefill_time=times.first_token_ts - times.scheduled_ts if started else 0.0,
-                inference_time=times.last_token_ts - times.scheduled_ts if started else 0.0,
-                decode_time=decode_time,
-                mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
-                num_preemptions=times.num_preemptions,
-                num_cached_tokens=times.num_cached_tokens,
-            )
-        )
-        group = times.group
+        num_gen = req.num_generation_tokens
+        req.finish_reason, req.e2e_latency = reason, it.timestamp - req.arrival_time
+        if req.scheduled_ts > 0 and req.first_token_ts > 0:
+            req.queued_time = max(0.0, req.scheduled_ts - req.queued_ts)
+            req.prefill_time = req.first_token_ts - req.scheduled_ts
+            req.inference_time = req.last_token_ts - req.scheduled_ts
+            req.decode_time = req.last_token_ts - req.first_token_ts
+            if num_gen > 1:
+                req.mean_time_per_output_token = req.decode_time / (num_gen - 1)
+        it.finished_requests.append(req)
+        group = req.group
         group.unfinished -= 1
         group.max_generation_tokens = max(group.max_generation_tokens, num_gen)
         if group.unfinished == 0:

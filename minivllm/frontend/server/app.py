@@ -25,11 +25,9 @@ from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
 from minivllm.frontend.server.chat import create_chat_completion, render_chat
 from minivllm.frontend.server.completions import create_completion
 from minivllm.frontend.server.errors import (
-    UNAUTHORIZED,
     OpenAIError,
+    as_openai_error,
     from_decode_error,
-    from_value_error,
-    not_found_model,
 )
 from minivllm.frontend.server.protocol import (
     DetokenizeRequest,
@@ -74,14 +72,15 @@ class ServerState:
         if self.api_key is not None and not secrets.compare_digest(
             raw.headers.get("authorization", ""), f"Bearer {self.api_key}"
         ):
-            raise UNAUTHORIZED
+            raise OpenAIError("Unauthorized", HTTPStatus.UNAUTHORIZED)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with: the one asked for, or the first served name."""
         if model is None:
             return self.model_name
         if model not in self.served_model_names:
-            raise not_found_model(model)
+            message = f"The model `{model}` does not exist."
+            raise OpenAIError(message, HTTPStatus.NOT_FOUND, param="model")
         return model
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -103,7 +102,8 @@ class ServerState:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """What the engine would refuse, refused before a stream starts (as a 400)."""
+        """What the engine would refuse, refused before a stream starts (as a 400: the app
+        answers a ValueError so)."""
         max_tokens = params.max_tokens
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise OpenAIError(
@@ -111,10 +111,7 @@ class ServerState:
                 f"{self.max_model_len}. Please request fewer output tokens.",
                 param="max_tokens",
             )
-        try:
-            self.engine.input_processor.validate_params(params)
-        except ValueError as e:
-            raise from_value_error(e, _PARAM_NAMES) from None
+        self.engine.input_processor.validate_params(params)
 
     # ---------------------------------------------------------------- helpers
 
@@ -124,8 +121,8 @@ class ServerState:
         except msgspec.DecodeError as e:
             raise from_decode_error(e) from None
 
-    def json(self, payload: Any, status: int = 200) -> Response:
-        return Response(msgspec.json.encode(payload), status, media_type="application/json")
+    def json(self, payload: Any) -> Response:
+        return Response(msgspec.json.encode(payload), media_type="application/json")
 
     def request_id(self, prefix: str) -> str:
         return f"{prefix}-{secrets.token_hex(8)}"
@@ -164,17 +161,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> Response:
-        return Response(e.body(), e.status.value, media_type="application/json")
+    async def openai_error(_: Request, e: Exception) -> Response:
+        error = as_openai_error(e, _PARAM_NAMES)
+        return Response(error.body(), error.status.value, media_type="application/json")
 
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError) -> Response:
-        return await openai_error(_, from_value_error(e, _PARAM_NAMES))
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
-        return await openai_error(_, OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE))
+    for kind in (OpenAIError, ValueError, EngineDeadError):
+        app.add_exception_handler(kind, openai_error)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

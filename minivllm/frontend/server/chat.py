@@ -4,7 +4,7 @@ deltas (a first chunk per choice carries the role) or returned whole."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +27,8 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 if TYPE_CHECKING:
     from minivllm.frontend.server.app import ServerState
 
+C = TypeVar("C", ChatChoice, ChatStreamChoice)
+
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request = state.decode(await raw.body(), ChatCompletionRequest)
@@ -37,8 +39,8 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     state.check_params(params)
     request_id = state.request_id("chatcmpl")
     stream = state.engine.generate(prompt, params, request_id)
-    view = _ChatView(request, params.n, len(prompt["prompt_token_ids"]), request_id, model)
-    return await respond(raw, [stream], view, request.stream, state.json)
+    view = _ChatView(request, len(prompt["prompt_token_ids"]), request_id, model)
+    return await respond(raw, [stream], view, request.stream)
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]], request: Any) -> dict[str, Any]:
@@ -55,15 +57,14 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]], request: Any
     if getattr(request, "continue_final_message", False):
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
+    messages = [_text_message(m) for m in messages]
     try:
         return state.engine.input_processor.apply_chat_template(
-            [_text_message(m) for m in messages],
+            messages,
             add_generation_prompt=add_generation_prompt,
             chat_template=getattr(request, "chat_template", None) or state.chat_template,
             template_kwargs=kwargs,
         )
-    except OpenAIError:
-        raise
     except Exception as e:  # a template that fails to render on these messages
         raise OpenAIError(f"messages: the chat template failed: {e}", param="messages") from e
 
@@ -103,60 +104,42 @@ class _ChatView(StreamView):
     def __init__(
         self,
         request: ChatCompletionRequest,
-        n: int,
         num_prompt_tokens: int,
         request_id: str,
         model: str,
     ) -> None:
         super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.request = request
-        self.n = n
         self.num_top = (request.top_logprobs or 0) if request.logprobs else None
 
-    def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
-        if self.num_top is None or c.logprobs is None:
-            return None
-        return chat_logprobs(c.token_ids, c.logprobs, self.num_top)
+    def _choice(self, kind: type[C], c: CompletionOutput, body: Any) -> C:
+        """Completion `c` as a `kind` choice (whole or streamed), `body` its message or delta."""
+        logprobs = None
+        if self.num_top is not None and c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, self.num_top)
+        token_ids = c.token_ids if self.request.return_token_ids else None
+        return kind(c.index, body, logprobs, c.finish_reason, c.stop_reason, token_ids)
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         (out,) = finals
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessage(c.text),
-                logprobs=self._logprobs(c),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=c.token_ids if self.request.return_token_ids else None,
-            )
-            for c in out.outputs
-        ]
-        response = ChatCompletionResponse(
+        return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=choices,
+            choices=[self._choice(ChatChoice, c, ChatMessage(c.text)) for c in out.outputs],
             usage=self.usage(sum(len(c.token_ids) for c in out.outputs)),
+            prompt_token_ids=out.prompt_token_ids if self.request.return_token_ids else None,
         )
-        if self.request.return_token_ids:
-            response.prompt_token_ids = out.prompt_token_ids
-        return response
 
     def first_chunks(self) -> list[StreamResponse]:
         """The role, once per choice, before any text (as OpenAI and vLLM send it)."""
         role = DeltaMessage(role="assistant", content="")
-        return [self.chunk([ChatStreamChoice(i, role)]) for i in range(self.n)]
+        return [self.chunk([ChatStreamChoice(i, role)]) for i in range(self.request.n)]
 
     def chunks(self, i: int, out: RequestOutput) -> list[StreamResponse]:
-        chunks = []
-        for c in out.outputs:
-            choice = ChatStreamChoice(
-                index=c.index,
-                delta=DeltaMessage(content=c.text),
-                logprobs=self._logprobs(c),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=c.token_ids if self.request.return_token_ids else None,
+        return [
+            self.chunk(
+                [self._choice(ChatStreamChoice, c, DeltaMessage(content=c.text))], len(c.token_ids)
             )
-            chunks.append(self.chunk([choice], len(c.token_ids)))
-        return chunks
+            for c in out.outputs
+        ]

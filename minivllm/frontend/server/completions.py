@@ -20,7 +20,6 @@ from minivllm.frontend.server.protocol import (
 from minivllm.frontend.server.sampling import completion_sampling_params
 from minivllm.frontend.server.streaming import StreamView, respond
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.frontend.server.app import ServerState
@@ -45,22 +44,17 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         )
         for i, (text, ids) in enumerate(prompts)
     ]
-    view = _CompletionView(state, request, params, prompts, request_id, model)
-    return await respond(raw, streams, view, request.stream, state.json)
+    view = _CompletionView(state, request, prompts, request_id, model)
+    return await respond(raw, streams, view, request.stream)
 
 
 def _prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
     prompt = request.prompt
     if prompt is None or prompt == "" or prompt == []:
         raise OpenAIError("prompt: you must pass at least one non-empty prompt", param="prompt")
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and all(_is_id(t) for t in prompt):
-        items = [prompt]
-    elif isinstance(prompt, list):
-        items = prompt
-    else:
-        items = [prompt]
+    # one prompt (a text or token ids), or a list of them
+    several = isinstance(prompt, list) and not all(_is_id(t) for t in prompt)
+    items: list[Any] = prompt if several else [prompt]
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -91,7 +85,6 @@ class _CompletionView(StreamView):
         self,
         state: ServerState,
         request: CompletionRequest,
-        params: SamplingParams,
         prompts: list[Prompt],
         request_id: str,
         model: str,
@@ -100,7 +93,7 @@ class _CompletionView(StreamView):
         super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.state = state
         self.request = request
-        self.n = params.n
+        self.n = request.n
         self.num_top = request.logprobs
         self.prompts = prompts
         self.text_len: dict[int, int] = {}  # text streamed so far, per choice
@@ -120,7 +113,7 @@ class _CompletionView(StreamView):
             steps = c.logprobs or [None] * len(token_ids)
             if request.echo and first:
                 prompt_ids = self.prompts[i][1]
-                prompt_steps = getattr(out, "prompt_logprobs", None) or [None] * len(prompt_ids)
+                prompt_steps = out.prompt_logprobs or [None] * len(prompt_ids)
                 token_ids, steps = prompt_ids + token_ids, list(prompt_steps) + list(steps)
             logprobs = completion_logprobs(
                 token_ids, steps, self.num_top, text_offset, self.state.decode_token
@@ -139,7 +132,7 @@ class _CompletionView(StreamView):
             if first:
                 choice.prompt_token_ids = self.prompts[i][1]
         if first and request.prompt_logprobs is not None:
-            choice.prompt_logprobs = prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
+            choice.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         return choice
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:

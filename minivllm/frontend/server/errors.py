@@ -11,6 +11,8 @@ from http import HTTPStatus
 
 import msgspec
 
+from minivllm.exceptions import EngineDeadError
+
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -71,8 +73,11 @@ def from_value_error(e: ValueError, fields: set[str] | frozenset[str]) -> OpenAI
     return OpenAIError(message, param=param)
 
 
-def not_found_model(model: str) -> OpenAIError:
-    return OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
-
-
-UNAUTHORIZED = OpenAIError("Unauthorized", HTTPStatus.UNAUTHORIZED)
+def as_openai_error(e: Exception, fields: set[str] | frozenset[str] = frozenset()) -> OpenAIError:
+    """What an error of a request answers: an OpenAIError as it is, a ValueError a 400 (see
+    `from_value_error`), an `EngineDeadError` a 503."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
+    return from_value_error(e, fields)

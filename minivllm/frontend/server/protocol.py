@@ -161,13 +161,10 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
-class ChatStreamChoice(msgspec.Struct):
-    index: int
-    delta: DeltaMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+class ChatStreamChoice(ChatChoice, rename={"message": "delta"}):
+    """A whole choice's fields, its message a delta (sent as `delta`)."""
+
+    message: DeltaMessage
 
 
 class StreamResponse(msgspec.Struct, omit_defaults=True):

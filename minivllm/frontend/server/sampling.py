@@ -15,10 +15,11 @@ from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
-# passed on when sent (not None)
-_OPTIONAL = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty")
-_OPTIONAL += ("frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words")
-_OPTIONAL += ("stop_token_ids", "prompt_logprobs")
+# the request fields SamplingParams has too, passed on when not None (for most: when sent);
+# the others are converted below
+_PASSED = sorted(
+    (set(SamplingFields.__struct_fields__) & _FIELDS) - {"stop", "logit_bias", "structured_outputs"}
+)
 
 
 def completion_sampling_params(request: CompletionRequest, stream: bool) -> SamplingParams:
@@ -48,19 +49,12 @@ def chat_sampling_params(request: ChatCompletionRequest, stream: bool) -> Sampli
 
 
 def _common(request: SamplingFields) -> dict[str, Any]:
-    values: dict[str, Any] = {"n": request.n}
-    for name in _OPTIONAL:
-        value = getattr(request, name)
-        if value is not None:
-            values[name] = value
+    values = {name: getattr(request, name) for name in _PASSED}
+    values = {name: value for name, value in values.items() if value is not None}
     if request.stop is not None:
         values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if request.logit_bias:
         values["logit_bias"] = _logit_bias(request.logit_bias)
-    values["ignore_eos"] = request.ignore_eos
-    values["min_tokens"] = request.min_tokens
-    values["include_stop_str_in_output"] = request.include_stop_str_in_output
-    values["skip_special_tokens"] = request.skip_special_tokens
     structured = _structured_outputs(request)
     if structured is not None:
         values["structured_outputs"] = structured

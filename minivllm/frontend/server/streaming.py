@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from http import HTTPStatus
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -22,12 +21,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.exceptions import EngineDeadError
-from minivllm.frontend.server.errors import OpenAIError
+from minivllm.frontend.server.errors import as_openai_error
 from minivllm.frontend.server.protocol import StreamOptions, StreamResponse, UsageInfo
 
 T = TypeVar("T")
 
-DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -53,14 +51,6 @@ async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> asyncio.Fut
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     return task
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise CancelledError."""
-    task = await _until_disconnect(request.receive, work)
-    if task.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
-    return task.result()
 
 
 _SERVER_SEND = "minivllm.server_send"
@@ -100,12 +90,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of all `streams` as they come, each with its stream's index. One stream is
-    iterated directly; several run as tasks. Leaving early closes them all."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
+    """Items of all `streams` as they come, each with its stream's index (each stream runs
+    as a task). Leaving early closes them all."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     end = object()
 
@@ -185,7 +171,6 @@ async def respond(
     streams: list[AsyncIterator[Any]],
     view: StreamView,
     stream: bool,
-    encode_json: Callable[[Any], Response],
 ) -> Response:
     """The response to one request: an event stream of the view's chunks, or the view's
     response body once every stream has ended (FINAL_ONLY outputs: one per stream)."""
@@ -197,8 +182,11 @@ async def respond(
         async for i, out in merge(streams):
             finals[i] = out
 
-    await cancel_on_disconnect(raw, run())
-    return encode_json(view.response(finals))
+    task = await _until_disconnect(raw.receive, run())
+    if task.cancelled():
+        raise asyncio.CancelledError("the client disconnected")
+    task.result()  # raises what the request raised
+    return Response(_encode(view.response(finals)), media_type="application/json")
 
 
 async def stream_events(
@@ -220,8 +208,6 @@ async def stream_events(
                     yield sse(chunk)
         for chunk in view.last_chunks():
             yield sse(chunk)
-    except ValueError as e:
-        yield b"data: " + OpenAIError(str(e)).body() + b"\n\n"
-    except EngineDeadError as e:
-        yield b"data: " + OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE).body() + b"\n\n"
-    yield DONE
+    except (ValueError, EngineDeadError) as e:
+        yield b"data: " + as_openai_error(e).body() + b"\n\n"
+    yield b"data: [DONE]\n\n"
