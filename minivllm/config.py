@@ -6,7 +6,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
@@ -15,6 +15,7 @@ _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
+_Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -137,12 +138,23 @@ def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
+    """A `cls` config: `resolved` values, and every other field that `args` has of that name
+    (the rest keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)} - resolved.keys()
+    return cls(**{name: getattr(args, name) for name in names}, **resolved)
+
+
 def _resolve_device(device: str) -> str:
-    if device != "auto":
+    if device == "cpu":
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return device
 
 
 def _check_gpu_sharing(tp: int, dp: int, gpu_memory_utilization: float) -> None:
@@ -196,9 +208,6 @@ class EngineArgs:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._validate()
-
-    def _validate(self) -> None:
         if not self.model:
             raise ValueError("model must name a directory with config.json")
         for name, choices in (
@@ -250,12 +259,6 @@ class EngineArgs:
             raise ValueError(f"model: no config.json in {self.model!r}")
         hf_config = {**_read_json(config_path), **self.hf_overrides}
         device = _resolve_device(self.device)
-        if device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' but no CUDA device is available")
-
         dtype = self.dtype
         if dtype == "auto":
             torch_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
@@ -278,19 +281,14 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
                 f"({max_model_len}) when enable_chunked_prefill is False"
             )
-        model_cfg = ModelConfig(
-            model=self.model,
+        model_cfg = _from_args(
+            ModelConfig,
+            self,
             tokenizer=self.tokenizer or self.model,
             dtype=dtype,
             max_model_len=max_model_len,
-            seed=self.seed,
-            load_format=self.load_format,
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            disable_cascade_attn=self.disable_cascade_attn,
-            max_logprobs=self.max_logprobs,
-            logprobs_mode=self.logprobs_mode,
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
@@ -311,29 +309,17 @@ class EngineArgs:
             kv_bytes = _CPU_KV_CACHE_BYTES
         return EngineConfig(
             model=model_cfg,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_memory_bytes=kv_bytes,
-                kv_cache_dtype=self.kv_cache_dtype,
-                calculate_kv_scales=self.calculate_kv_scales,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+            cache=_from_args(CacheConfig, self, kv_cache_memory_bytes=kv_bytes),
+            scheduler=_from_args(
+                SchedulerConfig,
+                self,
                 max_num_batched_tokens=max_batched,
-                enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=max_model_len,
-                async_scheduling=self.async_scheduling,
             ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tp,
-                distributed_executor_backend=self.distributed_executor_backend,
-                data_parallel_size=self.data_parallel_size,
-                execute_timeout=float(self.execute_timeout) or None,
+            parallel=_from_args(
+                ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None
             ),
-            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
+            device=_from_args(DeviceConfig, self, device=device),
         )
 
     @classmethod

@@ -29,77 +29,50 @@ the variable.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 
-def _number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+def _number(name: str, default: float, cast: type = float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name)
+        if not raw:
+            return default
+        try:
+            return cast(float(raw))
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+    return read
 
 
-def log_level() -> str:
-    return os.environ.get("MINIVLLM_LOG_LEVEL") or "INFO"
+def _text(name: str, default: str | None = None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or default
 
 
-def startup_timeout_s() -> float:
-    return _number("MINIVLLM_STARTUP_TIMEOUT", 900.0)
+def _equals(name: str, value: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name) == value
 
 
-def client_timeout_s() -> float:
-    return _number("MINIVLLM_CLIENT_TIMEOUT", 10.0)
+log_level = _text("MINIVLLM_LOG_LEVEL", "INFO")
+startup_timeout_s = _number("MINIVLLM_STARTUP_TIMEOUT", 900.0)
+client_timeout_s = _number("MINIVLLM_CLIENT_TIMEOUT", 10.0)
+step_trace_path = _text("MINIVLLM_STEP_TRACE")
+torch_profile_dir = _text("MINIVLLM_TORCH_PROFILE")
+profile_start = _number("MINIVLLM_PROFILE_START", 300, int)
+profile_steps = _number("MINIVLLM_PROFILE_STEPS", 20, int)
+profile_by_cpu = _equals("MINIVLLM_PROFILE_SORT", "cpu")
+attention_backend = _text("MINIVLLM_ATTENTION_BACKEND")
+symm_all_reduce_disabled = _equals("MINIVLLM_DISABLE_SYMM_ALL_REDUCE", "1")
+api_key = _text("MINIVLLM_API_KEY")
+log_stats_interval_s = _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)
+ray_placement_timeout_s = _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)
+grammar_compile_timeout_s = _number("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", 60.0)
+_grammar_cache_mb = _number("MINIVLLM_GRAMMAR_CACHE_MB", 512)
 
 
-def step_trace_path() -> str | None:
-    return os.environ.get("MINIVLLM_STEP_TRACE") or None
-
-
-def torch_profile_dir() -> str | None:
-    return os.environ.get("MINIVLLM_TORCH_PROFILE") or None
-
-
-def profile_start() -> int:
-    return int(_number("MINIVLLM_PROFILE_START", 300))
-
-
-def profile_steps() -> int:
-    return int(_number("MINIVLLM_PROFILE_STEPS", 20))
-
-
-def profile_by_cpu() -> bool:
-    return os.environ.get("MINIVLLM_PROFILE_SORT") == "cpu"
+def grammar_cache_bytes() -> int:
+    return int(_grammar_cache_mb() * (1 << 20))
 
 
 def pdl_enabled() -> bool:
     return os.environ.get("MINIVLLM_PDL", "1") != "0"
-
-
-def attention_backend() -> str | None:
-    return os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
-
-
-def symm_all_reduce_disabled() -> bool:
-    return os.environ.get("MINIVLLM_DISABLE_SYMM_ALL_REDUCE") == "1"
-
-
-def api_key() -> str | None:
-    return os.environ.get("MINIVLLM_API_KEY") or None
-
-
-def log_stats_interval_s() -> float:
-    return _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)
-
-
-def ray_placement_timeout_s() -> float:
-    return _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)
-
-
-def grammar_cache_bytes() -> int:
-    return int(_number("MINIVLLM_GRAMMAR_CACHE_MB", 512) * (1 << 20))
-
-
-def grammar_compile_timeout_s() -> float:
-    return _number("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", 60.0)

@@ -54,10 +54,6 @@ _CLIENT_GONE = "client-gone"
 _STOP = object()
 
 
-def client_identity(client_id: int) -> bytes:
-    return client_id.to_bytes(4, "little")
-
-
 class EngineCoreProc:
     def __init__(
         self,
@@ -119,14 +115,11 @@ class EngineCoreProc:
     def _drain_input(self, block: bool) -> None:
         try:
             item = self.input_queue.get(timeout=0.2) if block else self.input_queue.get_nowait()
+            while True:
+                self._handle(*item)
+                item = self.input_queue.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle(*item)
-            try:
-                item = self.input_queue.get_nowait()
-            except queue.Empty:
-                return
 
     def _handle(self, client_id: int, msg: Any) -> None:
         core = self.engine_core
@@ -152,10 +145,6 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call.call_id, result=result)
 
-    def request_stop(self, reason: str) -> None:
-        """Called from signal handlers: only sets a flag."""
-        self.stop_reason = reason
-
     def _shutdown(self) -> None:
         # clients waiting on anything learn that nothing more will come
         self.output_queue.put((_ALL, EngineCoreOutputs(engine_dead=self.stop_reason)))
@@ -166,9 +155,9 @@ class EngineCoreProc:
         try:
             self.engine_core.shutdown()
         finally:
-            transport.close_socket(self.input_sock, linger=0)
+            self.input_sock.close(linger=0)
             # the bounded linger lets the death notice above reach the clients
-            transport.close_socket(self.output_sock)
+            self.output_sock.close()
             if self.authenticator is not None:
                 self.authenticator.stop()
             self.ctx.term()
@@ -260,7 +249,7 @@ class EngineCoreProc:
 
         def send(client: int, frames: list) -> None:
             try:
-                transport.send_to(self.output_sock, client_identity(client), frames)
+                transport.send_to(self.output_sock, client.to_bytes(4, "little"), frames)
             except zmq.ZMQError:
                 routable.discard(client)  # the peer is gone
 
@@ -271,12 +260,11 @@ class EngineCoreProc:
                 )
                 if decoded is None:
                     continue
-                client, msg = decoded
-                if isinstance(msg, ClientHello):
-                    routable.add(client)
-                    send(client, encoder.encode(RouteReady(client)))
-                    for frames_ in pending.pop(client, []):
-                        send(client, frames_)
+                client = decoded[0]  # a ClientHello, the only message this socket decodes
+                routable.add(client)
+                send(client, encoder.encode(RouteReady(client)))
+                for frames_ in pending.pop(client, []):
+                    send(client, frames_)
             try:
                 item = self.output_queue.get(timeout=0.05)
             except queue.Empty:
@@ -326,7 +314,7 @@ def run_engine_core(
 
     def on_signal(signum: int, _frame: Any) -> None:
         if proc is not None:
-            proc.request_stop(f"engine-core stopped by {signal.Signals(signum).name}")
+            proc.stop_reason = f"engine-core stopped by {signal.Signals(signum).name}"
         else:
             raise SystemExit(128 + signum)
 

@@ -19,7 +19,7 @@ from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.engine_core.request import Request, RequestStatus
 from minivllm.engine_core.scheduler import Scheduler
 from minivllm.engine_core.step_trace import StepTrace
-from minivllm.engine_core.structured_output import StructuredOutputManager
+from minivllm.engine_core.structured_output.manager import StructuredOutputManager
 from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -103,12 +103,8 @@ class EngineCore:
         """Abort requests (only those of `client_id`, when given). No output is sent: the
         client that aborts already knows."""
         if client_id is not None:
-            owned = []
-            for r in request_ids:
-                req = self.scheduler.get_request(r)
-                if req is not None and req.client_id == client_id:
-                    owned.append(r)
-            request_ids = owned
+            held = self.scheduler.requests
+            request_ids = [r for r in request_ids if r in held and held[r].client_id == client_id]
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -140,7 +136,7 @@ class EngineCore:
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 if self.trace.enabled:
-                    self.trace.launched(so, self.structured.num_compiling)
+                    self.trace.launched(so, len(self.structured.waiting))
                 self.batch_queue.append((so, self.executor.execute_model(so)))
                 if so.structured_output_req_ids and len(self.batch_queue) == 1:
                     self._send_bitmask(so)
@@ -199,14 +195,11 @@ class EngineCore:
         if method == UtilityMethod.STATS:
             return self.stats()
         if method == UtilityMethod.RESET_PREFIX_CACHE:
-            return self.reset_prefix_cache()
+            return self.scheduler.kv_cache_manager.reset_prefix_cache()
         if method == UtilityMethod.HEALTH:
             self.executor.check_health()
             return True
         raise ValueError(f"utility method {method.name} is not served by the step loop")
-
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict:
         import msgspec

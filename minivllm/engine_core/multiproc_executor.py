@@ -173,7 +173,10 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------ steps
 
     def _broadcast(self, msg, first_rank: int = 0) -> None:
-        """Send `msg` to every rank from `first_rank` on."""
+        """Send `msg` to every rank from `first_rank` on; `EngineDeadError` once a rank died
+        (a dead worker is noticed when waiting for its answer times out, every 100 ms)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         frames = self.encoder.encode(msg)
         transport.check_size(frames, f"{type(msg).__name__} for the workers")
         deadline = None
@@ -190,15 +193,10 @@ class MultiprocExecutor(Executor):
                         self.fail_hung_step(None, f"did not take {type(msg).__name__}", rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
-        # a dead worker is noticed when waiting for its answer times out (every 100 ms)
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
         self._broadcast(scheduler_output)
         return StepFuture(self, scheduler_output.step_id)
 
     def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
         self._broadcast(bitmask)  # copied into ZMQ: the core may refill its buffer at once
 
     def _poll_output(self, step_id: int, timeout_ms: int) -> ModelRunnerOutput | None:
@@ -273,6 +271,6 @@ class MultiprocExecutor(Executor):
                 self._broadcast(ShutdownWorker())
         self._stop_workers(graceful)
         for sock in [*self.step_socks, self.results]:
-            transport.close_socket(sock, linger=0)
+            sock.close(linger=0)
         self.ctx.term()
         transport.cleanup_ipc(self.ipc_dir)

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import msgspec
 
@@ -57,20 +56,15 @@ class RayWorker:
         serve(engine_config, rank, step_address, result_address, store_host=host)
 
 
-def _import_ray():
+def connect_ray():
+    """Join the Ray cluster (RAY_ADDRESS, else the one `ray start` made here, else a new
+    local one), keeping this process's SIGTERM handler, which `ray.init` replaces."""
     try:
         import ray
     except ImportError:
         raise ValueError(
             "distributed_executor_backend='ray' needs Ray: pip install 'minivllm[ray]'"
         ) from None
-    return ray
-
-
-def connect_ray():
-    """Join the Ray cluster (RAY_ADDRESS, else the one `ray start` made here, else a new
-    local one), keeping this process's SIGTERM handler, which `ray.init` replaces."""
-    ray = _import_ray()
     if not ray.is_initialized():
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if main else None
@@ -150,8 +144,5 @@ class RayExecutor(MultiprocExecutor):
 
             remove_placement_group(self.placement)
             self.placement = None
-        deadline = time.monotonic() + 5.0
-        while self.runs and time.monotonic() < deadline:  # the actors' ends are seen
-            done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=0.2)
-            if len(done) == len(self.runs):
-                break
+        if self.runs:  # until the actors' ends are seen
+            self.ray.wait(self.runs, num_returns=len(self.runs), timeout=5.0)

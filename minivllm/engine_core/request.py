@@ -74,10 +74,7 @@ class Request:
         )
         # either ends it (after min_tokens); a stop token id is also its stop reason
         self.stop_ids = self.eos_token_ids | set(sampling_params.stop_token_ids or ())
-        # tokens (prompt + output) at which it ends by length; the scheduler sets it
-        self.max_num_tokens = len(self.prompt_token_ids) + (
-            sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
-        )
+        self.max_num_tokens = 0  # tokens (prompt + output) at which it ends by length: set on add
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0

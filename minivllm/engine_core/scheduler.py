@@ -117,17 +117,8 @@ class Scheduler:
                 outputs.setdefault(request.client_id, []).append(out)
         return outputs
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

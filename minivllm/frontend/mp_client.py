@@ -178,7 +178,7 @@ class _MPClient:
     def _close(self) -> None:
         for sock in (self.input_sock, self.output_sock):
             if sock is not None:
-                transport.close_socket(sock, linger=0)
+                sock.close(linger=0)
         self.input_sock = self.output_sock = None
         if self.launch is not None:
             self.launch.cancel()

@@ -11,7 +11,7 @@ client never sends what a receiver drops.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -46,32 +46,24 @@ def request_frame_bytes(max_model_len: int) -> int:
     return MAX_REQUEST_BODY_BYTES + 4 * max_model_len
 
 
-# Field types that carry their bound, for the wire types: msgspec checks them on decode.
-RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
-PromptTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
-EosTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_EOS_TOKEN_IDS)]
-AbortIds = Annotated[list[RequestId], msgspec.Meta(max_length=MAX_ABORT_IDS)]
-StopStrings = Annotated[
-    list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
-    msgspec.Meta(max_length=MAX_STOP_STRINGS),
-]
-StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
-LogitBias = Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
-AllowedTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_ALLOWED_TOKEN_IDS)]
-BadWords = Annotated[
-    list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
-    msgspec.Meta(max_length=MAX_BAD_WORDS),
-]
+def _bounded(kind: Any, max_length: int) -> Any:
+    """`kind` (a str, list or dict) whose length msgspec checks on decode."""
+    return Annotated[kind, msgspec.Meta(max_length=max_length)]
+
+
+# Field types that carry their bound, for the wire types.
+RequestId = _bounded(str, MAX_REQUEST_ID_CHARS)
+PromptTokenIds = _bounded(list[int], MAX_PROMPT_TOKENS)
+EosTokenIds = _bounded(list[int], MAX_EOS_TOKEN_IDS)
+AbortIds = _bounded(list[RequestId], MAX_ABORT_IDS)
+_StopString = _bounded(str, MAX_STOP_STRING_CHARS)
+StopStrings = _bounded(list[_StopString], MAX_STOP_STRINGS)
+StopTokenIds = _bounded(list[int], MAX_STOP_TOKEN_IDS)
+LogitBias = _bounded(dict[int, float], MAX_LOGIT_BIAS)
+AllowedTokenIds = _bounded(list[int], MAX_ALLOWED_TOKEN_IDS)
+BadWords = _bounded(list[_StopString], MAX_BAD_WORDS)
 # the frontend's tokenization of bad_words: one or two sequences per word
-BadWordsTokenIds = Annotated[
-    list[Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]],
-    msgspec.Meta(max_length=2 * MAX_BAD_WORDS),
-]
-GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
-Choices = Annotated[
-    list[Annotated[str, msgspec.Meta(max_length=MAX_CHOICE_CHARS)]],
-    msgspec.Meta(max_length=MAX_CHOICES),
-]
-AllStopTokenIds = Annotated[
-    list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS)
-]
+BadWordsTokenIds = _bounded(list[_bounded(list[int], MAX_STOP_STRING_CHARS)], 2 * MAX_BAD_WORDS)
+GrammarText = _bounded(str, MAX_GRAMMAR_CHARS)
+Choices = _bounded(list[_bounded(str, MAX_CHOICE_CHARS)], MAX_CHOICES)
+AllStopTokenIds = _bounded(list[int], MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS)

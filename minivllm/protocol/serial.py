@@ -99,7 +99,6 @@ WORKER_TO_CORE: tuple[type, ...] = (ModelRunnerOutput, Rendezvous, WorkerLoaded,
 # which matters only for a burst of long prompts in one step: 3 ms instead of 0.6 ms for
 # 256 x 512 tokens, once.
 DEFAULT_AUX_THRESHOLD: int | None = 256
-ID_FRAME_THRESHOLD = DEFAULT_AUX_THRESHOLD
 
 _INT32 = np.dtype("<i4")  # explicit byte order: tcp:// peers may differ in endianness
 _Slots = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]  # moved lists in one message
@@ -117,7 +116,6 @@ class MsgEncoder:
 
     def __init__(self, aux_threshold: int | None = DEFAULT_AUX_THRESHOLD) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._encode_array)
-        self._slot_encoder = msgspec.msgpack.Encoder()
         self.aux_threshold = aux_threshold
         self._array_frames: Frames = []  # of the message being encoded
 
@@ -139,7 +137,7 @@ class MsgEncoder:
             self._array_frames = []
         if not slots and not arrays:
             return [head]
-        return [head, self._slot_encoder.encode(slots), *aux, *arrays]
+        return [head, self._encoder.encode(slots), *aux, *arrays]
 
     def _encode_array(self, obj: Any) -> Any:
         if not isinstance(obj, np.ndarray):

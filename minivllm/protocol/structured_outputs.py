@@ -28,6 +28,11 @@ from minivllm.protocol.limits import (
 )
 
 MAX_JSON_NESTING = 64  # vLLM's limit on objects and arrays nested in a schema
+_TOO_DEEP = (
+    "structured_outputs.json: the JSON schema is nested too deeply: objects and arrays "
+    f"may nest at most {MAX_JSON_NESTING} levels"
+)
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # exactly one is set
 
 
 class GrammarKind(enum.IntEnum):
@@ -59,11 +64,7 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [
-            name
-            for name in ("json", "regex", "choice", "grammar", "json_object")
-            if getattr(self, name) is not None
-        ]
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
             which = f"but {', '.join(given)} are specified" if given else "but none is specified"
             raise ValueError(
@@ -159,12 +160,10 @@ def _check_json(schema: Any) -> None:
             raise ValueError("structured_outputs.json cannot be an empty string")
         try:
             schema = json_lib.loads(schema)
-        except RecursionError:
-            schema = None  # nested past Python's own limit: too deep
+        except RecursionError:  # nested past Python's own limit
+            raise ValueError(_TOO_DEEP) from None
         except ValueError as e:
             raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-        if schema is None:
-            raise ValueError(_too_deep())
     if not isinstance(schema, dict):
         raise ValueError(
             f"structured_outputs.json must be a JSON schema (an object), got {schema!r:.80}"
@@ -179,14 +178,7 @@ def _check_json(schema: Any) -> None:
         ]
         if not level:
             return
-    raise ValueError(_too_deep())
-
-
-def _too_deep() -> str:
-    return (
-        "structured_outputs.json: the JSON schema is nested too deeply: objects and arrays "
-        f"may nest at most {MAX_JSON_NESTING} levels"
-    )
+    raise ValueError(_TOO_DEEP)
 
 
 def _without_comments(grammar: str) -> str:

@@ -27,7 +27,7 @@ from minivllm.protocol.serial import ProtocolError
 logger = logging.getLogger(__name__)
 
 # Closing a socket waits at most this long for queued messages (a final "engine dead"
-# frame still gets out); shutdown paths pass linger=0 to `close_socket`.
+# frame still gets out); shutdown paths close with linger=0.
 DEFAULT_LINGER_MS = 1000
 # sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS), including the NUL.
 _MAX_IPC_PATH = 103
@@ -142,12 +142,6 @@ def connect_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(address)
     return sock
-
-
-def close_socket(sock: zmq.Socket, linger: int | None = None) -> None:
-    """Close `sock`; `linger=0` drops unsent messages (shutdown paths), None keeps the
-    socket's own bounded linger."""
-    sock.close(linger=linger)
 
 
 def close_shadowed(shadow: zmq.asyncio.Socket, owner: zmq.Socket) -> None:

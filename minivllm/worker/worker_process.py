@@ -143,8 +143,8 @@ def serve(
         _flush_and_exit(results)
     outbox.put(None)
     sender.join(timeout=10.0)
-    transport.close_socket(results, linger=0)
-    transport.close_socket(steps, linger=0)
+    results.close(linger=0)
+    steps.close(linger=0)
     results.context.term()
     ctx.term()
 

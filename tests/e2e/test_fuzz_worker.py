@@ -92,7 +92,7 @@ class FakeCore:
         terminate([self.proc], timeout=5)
         self.death.close()
         for sock in (self.steps, self.results):
-            transport.close_socket(sock, linger=0)
+            sock.close(linger=0)
         self.ctx.term()
         transport.cleanup_ipc(self.ipc_dir)
 

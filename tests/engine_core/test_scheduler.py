@@ -193,7 +193,7 @@ def test_newest_request_is_preempted_when_blocks_run_out_and_finishes_later():
     preempting = outs[-1]
     assert preempting.preempted_req_ids == ["new"] and preempting.finished_req_ids == []
     assert list(preempting.num_scheduled_tokens) == ["old"]
-    new = sched.get_request("new")
+    new = sched.requests.get("new")
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert sched.waiting[0] is new
     num_out = new.num_output_tokens
@@ -398,9 +398,9 @@ def test_reset_prefix_cache_waits_for_idle_blocks():
     sched, runner = make_scheduler(), FakeRunner()
     sched.add_request(make_request("a", list(range(9)), max_tokens=3))
     step(sched, runner, Results())
-    assert sched.reset_prefix_cache() is False
+    assert sched.kv_cache_manager.reset_prefix_cache() is False
     run_sync(sched, runner)
-    assert sched.reset_prefix_cache() is True
+    assert sched.kv_cache_manager.reset_prefix_cache() is True
 
 
 def test_duplicate_request_ids_are_refused():

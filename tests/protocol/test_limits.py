@@ -18,7 +18,6 @@ from minivllm.protocol.serial import FRONTEND_TO_CORE, TAGS, MsgDecoder, MsgEnco
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
 from minivllm.protocol.transport import (
     bind_socket,
-    close_socket,
     connect_socket,
     recv_msg,
     send_msg,
@@ -137,5 +136,5 @@ def test_a_frame_over_the_socket_limit_never_arrives() -> None:
         assert recv_msg(pull, timeout_ms=500) is None
     finally:
         for sock in (big, small, pull):
-            close_socket(sock, linger=0)
+            sock.close(linger=0)
         ctx.term()

@@ -41,7 +41,6 @@ from minivllm.protocol.serial import (
     CORE_TO_FRONTEND,
     CORE_TO_WORKER,
     FRONTEND_TO_CORE,
-    ID_FRAME_THRESHOLD,
     TAGS,
     WORKER_TO_CORE,
     MsgDecoder,
@@ -53,7 +52,7 @@ from minivllm.protocol.structured_outputs import StructuredOutputsParams
 ALL_TYPES = tuple(TAGS)
 ENCODERS = {
     "inline": MsgEncoder(aux_threshold=None),
-    "id-frames": MsgEncoder(aux_threshold=ID_FRAME_THRESHOLD),
+    "id-frames": MsgEncoder(),  # the default threshold
 }
 LONG_PROMPT = list(range(100_000, 105_000))
 

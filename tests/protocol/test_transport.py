@@ -18,7 +18,6 @@ from minivllm.protocol.transport import (
     bind_socket,
     cleanup_ipc,
     close_and_flush,
-    close_socket,
     connect_socket,
     ipc_address,
     make_ipc_dir,
@@ -76,7 +75,7 @@ def test_tcp_port_zero_returns_real_port(ctx: zmq.Context) -> None:
         assert bound.startswith("tcp://127.0.0.1:")
         assert int(bound.rsplit(":", 1)[1]) > 0
     finally:
-        close_socket(sock, linger=0)
+        sock.close(linger=0)
 
 
 def test_push_pull_round_trip(ctx: zmq.Context, address: str) -> None:
@@ -94,8 +93,8 @@ def test_push_pull_round_trip(ctx: zmq.Context, address: str) -> None:
         assert got == msgs
         assert recv_msg(pull, timeout_ms=10) is None
     finally:
-        close_socket(push, linger=0)
-        close_socket(pull, linger=0)
+        push.close(linger=0)
+        pull.close(linger=0)
 
 
 def _send_and_exit(address: str, nbytes: int) -> None:
@@ -119,7 +118,7 @@ def test_a_frame_sent_before_exiting_arrives(ctx: zmq.Context, address: str) -> 
         frames = recv_msg(pull, TIMEOUT_MS)
         assert frames is not None and len(frames[0]) == 64 << 20
     finally:
-        close_socket(pull, linger=0)
+        pull.close(linger=0)
 
 
 def test_router_dealer_routes_by_identity(ctx: zmq.Context, address: str) -> None:
@@ -145,7 +144,7 @@ def test_router_dealer_routes_by_identity(ctx: zmq.Context, address: str) -> Non
             send_to(router, b"nobody", encoder.encode(EngineCoreOutputs()))
     finally:
         for sock in (*clients.values(), router):
-            close_socket(sock, linger=0)
+            sock.close(linger=0)
 
 
 def test_asyncio_sockets(ipc_dir: str) -> None:
@@ -159,8 +158,8 @@ def test_asyncio_sockets(ipc_dir: str) -> None:
             frames = await asyncio.wait_for(recv_msg_async(pull), TIMEOUT_MS / 1000)
             assert MsgDecoder(CORE_TO_FRONTEND).decode(frames) == out
         finally:
-            close_socket(push, linger=0)
-            close_socket(pull, linger=0)
+            push.close(linger=0)
+            pull.close(linger=0)
             actx.term()
 
     asyncio.run(main())

@@ -10,13 +10,12 @@ import re
 from typing import Any
 
 from minivllm.protocol.structured_outputs import (
+    CONSTRAINTS,
     GrammarKind,
     GrammarSpec,
     StructuredOutputsParams,
 )
 
-# the field of StructuredOutputsParams a bad grammar is reported against
-_FIELDS = {GrammarKind.JSON: "json", GrammarKind.REGEX: "regex"}
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
 # JSON formats the xgrammar converter enforces; others it would let through unchecked
 _STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "hostname", "uuid"})
@@ -39,14 +38,8 @@ def check(params: StructuredOutputsParams) -> None:
     """Raise `ValueError` naming the field if the constraint does not parse into a grammar
     (no vocabulary needed: the compile against it happens in the engine-core)."""
     xgrammar()
-    spec = params.spec()
-    if params.json_object:
-        field = "json_object"
-    elif params.choice is not None:
-        field = "choice"
-    else:
-        field = _FIELDS.get(spec.kind, "grammar")
-    error = _check_spec(spec)
+    field = next(name for name in CONSTRAINTS if getattr(params, name) is not None)
+    error = _check_spec(params.spec())
     if error:
         raise ValueError(f"structured_outputs.{field}: {error}")
 
@@ -86,12 +79,11 @@ class GrammarCompiler:
 
         xgr = xgrammar()
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
-        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
         # a quarter of the cores per compile: the busy loop, the workers' host threads and
         # the bitmask fills keep theirs
         threads = max(1, min(8, (os.cpu_count() or 1) // 4))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`); raises ValueError

@@ -202,9 +202,5 @@ class StructuredOutputManager:
                 matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask
 
-    @property
-    def num_compiling(self) -> int:
-        return len(self.waiting)
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
