@@ -145,7 +145,8 @@ def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config
     return cls(**{name: getattr(args, name) for name in names}, **resolved)
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """'cpu', or a CUDA device: 'auto' picks CUDA when there is one; 'cuda' without one raises."""
     if device == "cpu":
         return device
     import torch
@@ -258,7 +259,7 @@ class EngineArgs:
         if not os.path.isfile(config_path):
             raise ValueError(f"model: no config.json in {self.model!r}")
         hf_config = {**_read_json(config_path), **self.hf_overrides}
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
             torch_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"

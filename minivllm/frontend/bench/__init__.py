@@ -7,44 +7,27 @@ from __future__ import annotations
 import argparse
 import importlib
 
-COMMANDS = {  # name: (module, help)
-    "throughput": ("throughput", "offline throughput (vLLM's `bench throughput`)"),
-    "latency": ("latency", "batch latency, TTFT and TPOT (vLLM's `bench latency`)"),
-    "serve": ("serve", "load an OpenAI-compatible server (vLLM's `bench serve`)"),
-    "overhead": (
-        "overhead",
-        "engine overhead with the null model (tok/s, µs per step, IPC round trip)",
-    ),
-    "kv-accuracy": (
-        "kv_accuracy",
-        "next-token agreement and KL of an FP8 KV cache against the model's dtype",
-    ),
-    "step": ("step", "host and GPU time of one decode or prefill step of the model runner"),
-    "kernels": (
-        "kernels",
-        "check and time the Triton kernels (attention bf16/FP8/cascade, sampler, ops)",
-    ),
-    "trace": ("trace", "summarize a MINIVLLM_STEP_TRACE file: time per step kind and batch size"),
-    "grammar": (
-        "grammar",
-        "structured outputs: the core's per-step grammar work; steps while grammars compile",
-    ),
-    "tp-equality": (
-        "tp_equality",
-        "greedy tokens at several tensor-parallel sizes, compared token for token",
-    ),
-    "allreduce": (
-        "allreduce",
-        "2-GPU all-reduce: NCCL against the Triton one-shot kernel, and fused with RMSNorm",
-    ),
+COMMANDS = {  # name (its module: the name with "_" for "-"): help
+    "throughput": "offline throughput (vLLM's `bench throughput`)",
+    "latency": "batch latency, TTFT and TPOT (vLLM's `bench latency`)",
+    "serve": "load an OpenAI-compatible server (vLLM's `bench serve`)",
+    "overhead": "engine overhead with the null model (tok/s, µs per step, IPC round trip)",
+    "kv-accuracy": "next-token agreement and KL of an FP8 KV cache against the model's dtype",
+    "step": "host and GPU time of one decode or prefill step of the model runner",
+    "kernels": "check and time the Triton kernels (attention bf16/FP8/cascade, sampler, ops)",
+    "trace": "summarize a MINIVLLM_STEP_TRACE file: time per step kind and batch size",
+    "grammar": "structured outputs: the core's per-step grammar work; steps while grammars compile",
+    "tp-equality": "greedy tokens at several tensor-parallel sizes, compared token for token",
+    "allreduce": "2-GPU all-reduce: NCCL against the Triton one-shot kernel, "
+    "and fused with RMSNorm",
 }
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    for name, (module_name, help) in COMMANDS.items():
-        module = importlib.import_module(f"minivllm.frontend.bench.{module_name}")
+    for name, help in COMMANDS.items():
+        module = importlib.import_module(f"minivllm.frontend.bench.{name.replace('-', '_')}")
         cmd = bench_sub.add_parser(
             name,
             help=help,

@@ -11,14 +11,16 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs
-from minivllm.frontend.arg_utils import engine_args_from
+from minivllm.config import EngineArgs, resolve_device
+from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
     DEFAULT_GPU_GEOMETRY,
     GEOMETRIES,
     write_geometry,
 )
+from minivllm.frontend.llm import LLM
+from minivllm.process_utils import freeze_startup_heap
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -31,12 +33,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
+    """--geometry, EngineArgs' flags (--model optional) and --output-json (`write_json`)."""
+    add_model_args(parser)
+    add_engine_args(parser, model_required=False)
+    if output_json:
+        parser.add_argument("--output-json", default=None, help="write the figures to this file")
 
 
 @contextlib.contextmanager
@@ -67,12 +69,9 @@ def bench_engine_args(
 
 def start_llm(
     args: argparse.Namespace, model: str, geometry: str | None, max_len: int, **overrides: Any
-) -> Any:
+) -> LLM:
     """The `LLM` of a bench command (`bench_engine_args`); a geometry's context fits
     `max_len` tokens (4096 at least) unless --max-model-len says otherwise."""
-    from minivllm.frontend.llm import LLM
-    from minivllm.process_utils import freeze_startup_heap
-
     if geometry is not None and args.max_model_len is None:
         overrides["max_model_len"] = max(4096, max_len)
     llm = LLM(**dataclasses.asdict(bench_engine_args(args, model, geometry, **overrides)))

@@ -1,5 +1,5 @@
 """The memory-traffic floor of a decode workload, and the device copy bandwidth it is
-measured against (every output token re-reads its KV context; every decode step re-reads the weights)."""
+measured against."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Floor:
     kv_bytes: int  # every output token re-reads its whole KV context
     weight_bytes: int  # every decode step re-reads all weights once
 
-    @property
-    def total_bytes(self) -> int:
-        return self.kv_bytes + self.weight_bytes
-
     def seconds(self, bandwidth: float) -> float:
         """Floor time at `bandwidth` bytes/s (bytes read + written, like a device copy)."""
-        return self.total_bytes / bandwidth
+        return (self.kv_bytes + self.weight_bytes) / bandwidth
 
 
 def memory_floor(
@@ -51,8 +49,6 @@ def memory_floor(
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 10) -> float:
     """Device-to-device copy bandwidth on CUDA in bytes/s, counting bytes read + written
     (median of `iters` timed copies after a warm-up)."""
-    import torch
-
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from minivllm import envs
+from minivllm import EngineArgs, SamplingParams, StructuredOutputsParams, envs
 from minivllm.frontend.bench.common import add_model_args, model_dir
 from minivllm.frontend.bench.structured import SCHEMA
+from minivllm.frontend.llm_engine import LLMEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +76,6 @@ def host_work(tokenizer: str, vocab_size: int, rows: int, steps: int) -> dict[st
     )
     from minivllm.protocol.messages import GrammarBitmask
     from minivllm.protocol.serial import CORE_TO_WORKER, MsgDecoder, MsgEncoder
-    from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
     t = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, vocab_size)
@@ -144,9 +144,6 @@ def new_schema(i: int) -> dict:
 
 
 def decode_under_compiles(args: argparse.Namespace, model: str, load_format: str) -> None:
-    from minivllm import EngineArgs, SamplingParams, StructuredOutputsParams
-    from minivllm.frontend.llm_engine import LLMEngine
-
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=model,

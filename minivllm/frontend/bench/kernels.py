@@ -14,6 +14,8 @@ import argparse
 import random
 from typing import Any
 
+import torch
+
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DEV = "cuda"
 rows: list[tuple[str, str, float, str]] = []
@@ -34,8 +36,6 @@ def paged_batch(
 ) -> tuple:
     """(q, k, v, kv_cache, meta, kv_scale) for sequences whose blocks are scattered over the
     cache; with `shared`, the decode sequences' first `shared` tokens are the same blocks."""
-    import torch
-
     from minivllm.worker.attention.metadata import AttentionMetadata
     from minivllm.worker.ops.kv_cache import FP8
 
@@ -86,8 +86,6 @@ def paged_batch(
 
 def reference(q, kv_cache, meta, q_lens, seq_lens, scale, kv_scale) -> Any:  # noqa: ANN001
     """Dense attention over the (dequantized) cache in float32."""
-    import torch
-
     scales = kv_scale.tolist() if kv_scale is not None else [1.0, 1.0]
     outs, row = [], 0
     for i, (q_len, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
@@ -104,8 +102,6 @@ def reference(q, kv_cache, meta, q_lens, seq_lens, scale, kv_scale) -> Any:  # n
 
 def captured(backend: Any, args: tuple, kwargs: dict, expected: Any) -> Any:
     """The forward captured in a CUDA graph, after checking that a replay matches eager."""
-    import torch
-
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -129,8 +125,6 @@ KV_VARIANTS = {  # name -> (fp8 cache, backend knobs)
 
 
 def bench_decode() -> None:
-    import torch
-
     from minivllm.worker.attention.triton_attention import (
         TritonAttentionBackend,
         num_decode_splits,
@@ -164,8 +158,6 @@ def bench_decode() -> None:
 
 def bench_cascade(n: int = 256, shared: int = 2048, kv: tuple = (False, True)) -> None:
     """n decodes sharing a prefix of `shared` tokens plus 64-128 tokens of their own."""
-    import torch
-
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
 
     scale = D**-0.5
@@ -189,8 +181,6 @@ def bench_cascade(n: int = 256, shared: int = 2048, kv: tuple = (False, True)) -
 
 
 def bench_prefill(kv: tuple = (False, True)) -> None:
-    import torch
-
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
 
     scale = D**-0.5
@@ -210,8 +200,6 @@ def bench_prefill(kv: tuple = (False, True)) -> None:
 
 
 def bench_sampler() -> None:
-    import torch
-
     from minivllm.worker.ops.sampling import sample
 
     n, vocab = 256, 151936
@@ -236,8 +224,6 @@ def bench_sampler() -> None:
 
 
 def bench_ops() -> None:
-    import torch
-
     from minivllm.worker.ops import norm, rotary
     from minivllm.worker.ops.activation import silu_and_mul, silu_and_mul_torch
     from minivllm.worker.ops.kv_cache import store_kv_cache
@@ -304,7 +290,6 @@ def bench_ops() -> None:
 
 
 def main(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
-    import torch
     import triton
 
     if not torch.cuda.is_available():

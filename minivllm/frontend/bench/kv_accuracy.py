@@ -18,13 +18,14 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
+import torch
+
+from minivllm.config import resolve_device
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     bench_engine_args,
     max_token_id,
     model_dir,
-    resolve_device,
     write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
@@ -34,9 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="default 64 (CUDA) / 8 (CPU)")
     p.add_argument("--input-len", type=int, default=None, help="random prompts of this length")
     p.add_argument("--compare", choices=["hf"], default=None, help="transformers as reference")
-    p.add_argument("--output-json", default=None)
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Agreement:
     positions: int = 0
     top1_equal: int = 0
     kl_sum: float = 0.0
-    kl_max: float = 0.0
+    max_kl: float = 0.0
 
     def add(self, ref_logits: Any, logits: Any) -> None:
         ref_logp = ref_logits.float().log_softmax(-1)
@@ -55,7 +54,7 @@ class Agreement:
         self.positions += kl.numel()
         self.top1_equal += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
         self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.max_kl = max(self.max_kl, float(kl.max()))
 
     @property
     def top1(self) -> float:
@@ -68,7 +67,7 @@ class Agreement:
     def line(self, what: str) -> str:
         return (
             f"{what}: top-1 agreement {100 * self.top1:.2f}% of {self.positions} positions, "
-            f"mean KL {self.mean_kl:.2e}, max KL {self.kl_max:.2e}"
+            f"mean KL {self.mean_kl:.2e}, max KL {self.max_kl:.2e}"
         )
 
 
@@ -77,8 +76,6 @@ class PrefillLogits:
     KV cache of a given dtype (the caches are allocated per call, sized to the prompt)."""
 
     def __init__(self, config: Any) -> None:
-        import torch
-
         from minivllm.worker.attention.selector import get_attention_backend
         from minivllm.worker.distributed.parallel_state import TPGroup
         from minivllm.worker.model_loader import load_model
@@ -95,8 +92,6 @@ class PrefillLogits:
         self.model = load_model(config.model, self.device, TPGroup(), backend)
 
     def __call__(self, tokens: list[int], kv_dtype: Any, compute_kv_scales: bool = False) -> Any:
-        import torch
-
         from minivllm.worker.attention.metadata import one_prompt_metadata
         from minivllm.worker.kv_cache_memory import KVCacheShape
 
@@ -112,8 +107,6 @@ class PrefillLogits:
 
 def compare(config: Any, prompts: list[list[int]], hf_model: Any = None) -> dict[str, Agreement]:
     """Agreement of the FP8-cache run (and, against transformers, the reference run too)."""
-    import torch
-
     from minivllm.worker.ops.kv_cache import FP8
 
     run = PrefillLogits(config)
@@ -159,10 +152,7 @@ def main(args: argparse.Namespace) -> dict:
     for what, agreement in results.items():
         print(agreement.line(what))
         figures[what] = {
-            "positions": agreement.positions,
-            "top1": agreement.top1,
-            "mean_kl": agreement.mean_kl,
-            "max_kl": agreement.kl_max,
+            k: getattr(agreement, k) for k in ("positions", "top1", "mean_kl", "max_kl")
         }
     write_json(args.output_json, figures)
     return figures

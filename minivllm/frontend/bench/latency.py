@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from minivllm.frontend.arg_utils import add_engine_args
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     max_token_id,
     model_dir,
     start_llm,
@@ -24,6 +23,7 @@ from minivllm.frontend.bench.common import (
     write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload
+from minivllm.protocol.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -35,16 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=30)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--output-json", default=None)
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 def _timed_batch(
     llm: Any, args: argparse.Namespace, seed: int, max_tokens: int, max_id: int
 ) -> float:
-    from minivllm.protocol.sampling_params import SamplingParams
-
     batch = random_workload(args.batch_size, args.input_len, max_tokens, seed, max_id)
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True)
     start = time.perf_counter()

@@ -3,6 +3,8 @@ engine run measures everything around the model, detokenization included."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 
@@ -10,17 +12,10 @@ NULL_VOCAB_SIZE = 4096
 _CORPUS_MODULES = ("argparse", "json.decoder", "textwrap", "string", "difflib", "pprint")
 
 
-def _corpus() -> list[str]:
-    """Text from stdlib sources: English prose and code, fixed for a given Python."""
-    import importlib
-    import inspect
-
-    return [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
-
-
 def train_tokenizer(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> int:
     """Train a byte-level BPE tokenizer on stdlib sources, save it in HF format to out_dir
-    and return its vocabulary size."""
+    and return its vocabulary size. Stdlib sources are English prose and code, fixed for a
+    given Python."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,7 +29,8 @@ def train_tokenizer(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    corpus = [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
+    tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(out_dir)
     return tok.get_vocab_size()

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -25,9 +26,12 @@ from typing import Any
 
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
+from minivllm.frontend.async_llm import AsyncLLM
 from minivllm.frontend.bench.common import write_json
 from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 TARGET_TOKENS_PER_S = 100_000
 _PROMPT = "Engines schedule requests, run the model, and stream tokens back to clients. "
@@ -59,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-calls", type=int, default=2000)
     p.add_argument("--skip-sync", action="store_true", help="skip the LLM.generate run")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy each process")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the figures to this file")
     add_engine_args(p, model_required=False)
 
 
@@ -76,18 +80,12 @@ async def _stream(llm: Any, prompt: str, params: Any, request_id: str) -> tuple[
 
 
 async def run_async(
-    engine_args: EngineArgs,
-    num_requests: int,
-    output_len: int,
-    health_calls: int,
-    profile: str | None,
+    engine_args: EngineArgs, args: argparse.Namespace
 ) -> tuple[StreamResult, list[float]]:
     """(stream result, health round trips in seconds) from one AsyncLLM."""
-    from minivllm.frontend.async_llm import AsyncLLM
-    from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
-
     llm = AsyncLLM.from_engine_args(engine_args)
     freeze_startup_heap()  # the bench command's own process
+    output_len = args.output_len
     params = SamplingParams(
         max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
@@ -97,15 +95,15 @@ async def run_async(
             *(_stream(llm, p, warm, f"warm-{i}") for i, p in enumerate(_prompts(8)))
         )
         rtts = []
-        for _ in range(health_calls):
+        for _ in range(args.health_calls):
             start = time.perf_counter()
             await llm.check_health()
             rtts.append(time.perf_counter() - start)
         before = (await llm.get_stats())["step_counter"]
-        spies = _start_py_spy(profile) if profile else []
+        spies = _start_py_spy(args.profile) if args.profile else []
         start = time.perf_counter()
         counts = await asyncio.gather(
-            *(_stream(llm, p, params, f"r{i}") for i, p in enumerate(_prompts(num_requests)))
+            *(_stream(llm, p, params, f"r{i}") for i, p in enumerate(_prompts(args.num_requests)))
         )
         elapsed = time.perf_counter() - start
         _stop_py_spy(spies)
@@ -121,18 +119,15 @@ async def run_async(
     return StreamResult(tokens, sum(c for _, c in counts), elapsed, steps), rtts
 
 
-def run_sync(engine_args: EngineArgs, num_requests: int, output_len: int) -> StreamResult:
-    from minivllm.frontend.llm import LLM
-    from minivllm.protocol.sampling_params import SamplingParams
-
+def run_sync(engine_args: EngineArgs, args: argparse.Namespace) -> StreamResult:
     llm = LLM(**{f: getattr(engine_args, f) for f in EngineArgs.field_names()})
     freeze_startup_heap()
     try:
         llm.generate(_prompts(8), SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
         before = llm.llm_engine.get_stats()["step_counter"]
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        outs = llm.generate(_prompts(num_requests), params, use_tqdm=False)
+        outs = llm.generate(_prompts(args.num_requests), params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         steps = llm.llm_engine.get_stats()["step_counter"] - before
     finally:
@@ -162,8 +157,6 @@ def _start_py_spy(out_dir: str) -> list[subprocess.Popen]:
 
 
 def _stop_py_spy(spies: list[subprocess.Popen]) -> None:
-    import signal
-
     for spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
     for spy in spies:
@@ -193,11 +186,7 @@ def main(args: argparse.Namespace) -> dict:
             f"Null model behind frontend -> engine-core -> worker processes; "
             f"{args.num_requests} requests x {args.output_len} output tokens, greedy, ignore_eos"
         )
-        result, rtts = uvloop.run(
-            run_async(
-                engine_args, args.num_requests, args.output_len, args.health_calls, args.profile
-            )
-        )
+        result, rtts = uvloop.run(run_async(engine_args, args))
         _report("AsyncLLM (uvloop, DELTA streams)", result)
         met = "met" if result.tokens_per_s >= TARGET_TOKENS_PER_S else "MISSED"
         print(f"Target >= {TARGET_TOKENS_PER_S:,} output tok/s: {met}")
@@ -210,7 +199,7 @@ def main(args: argparse.Namespace) -> dict:
         figures = result.figures("async")
         figures.update(health_rtt_median_us=median, health_rtt_p90_us=p90)
         if not args.skip_sync:
-            sync = run_sync(engine_args, args.num_requests, args.output_len)
+            sync = run_sync(engine_args, args)
             _report("LLM.generate (sync)", sync)
             figures.update(sync.figures("sync"))
     write_json(args.output_json, figures)

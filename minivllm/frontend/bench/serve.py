@@ -21,8 +21,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from minivllm.frontend.bench.common import max_token_id
 from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, summarize
-from minivllm.frontend.bench.workloads import REFERENCE_TEMPERATURE, Workload
+from minivllm.frontend.bench.workloads import (
+    REFERENCE_TEMPERATURE,
+    Workload,
+    reference_workload,
+    sample_random,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,16 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload, float | None]:
     """The requests and the temperature to ask for (None: the server's default)."""
     if args.dataset_name == "reference":
-        from minivllm.frontend.bench.workloads import reference_workload
-
         workload = reference_workload()
         if args.num_prompts < len(workload.prompts):
             workload = workload.subset(args.num_prompts)
-        temperature = REFERENCE_TEMPERATURE if args.temperature is None else args.temperature
-        return workload, temperature
-    from minivllm.frontend.bench.common import max_token_id
-    from minivllm.frontend.bench.workloads import sample_random
-
+        return workload, REFERENCE_TEMPERATURE if args.temperature is None else args.temperature
     max_id = 10000
     if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
         max_id = max_token_id(model_dir)
@@ -87,8 +87,6 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
 def warmups(workload: Workload, n: int) -> Workload:
     """n requests of the workload's median prompt length (16 tokens out), other prompts
     than the workload's, so the prefix cache gives the timed run nothing."""
-    from minivllm.frontend.bench.workloads import sample_random
-
     length = int(np.median([len(p) for p in workload.prompts]))
     max_id = max(max(p) for p in workload.prompts)
     return sample_random(n, length, 16, max_token_id=max_id, seed=12345)
@@ -237,30 +235,18 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens at most; model {model!r} at {base_url}"
     )
+    url = base_url + args.endpoint
     if args.num_warmups:
-        uvloop.run(
-            run_once(
-                args,
-                base_url + args.endpoint,
-                model,
-                warmups(workload, args.num_warmups),
-                temperature,
-                float("inf"),
-            )
-        )
+        warm = warmups(workload, args.num_warmups)
+        uvloop.run(run_once(args, url, model, warm, temperature, float("inf")))
         print(f"Warmed up with {args.num_warmups} requests")
+    arrivals = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     runs = []
     for rate in args.request_rate:
         print(f"Traffic request rate: {rate}")
-        print(
-            f"Burstiness factor: {args.burstiness} (Poisson process)"
-            if args.burstiness == 1.0
-            else f"Burstiness factor: {args.burstiness} (Gamma distribution)"
-        )
+        print(f"Burstiness factor: {args.burstiness} ({arrivals})")
         print(f"Maximum request concurrency: {args.max_concurrency}")
-        results, duration = uvloop.run(
-            run_once(args, base_url + args.endpoint, model, workload, temperature, rate)
-        )
+        results, duration = uvloop.run(run_once(args, url, model, workload, temperature, rate))
         result = summarize(results, duration, percentiles, metrics, args.max_concurrency, rate)
         result.update(
             date=datetime.now().strftime("%Y%m%d-%H%M%S"),

@@ -45,13 +45,8 @@ def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
     seconds = int(np.ceil(max(r.start_time + r.latency for r in ok) - t0)) + 1
     tokens, concurrent = np.zeros(seconds), np.zeros(seconds)
     for r in ok:
-        t = r.start_time + r.ttft
-        times = [t]
-        for gap in r.itl:
-            t += gap
-            times.append(t)
-        for t in times:
-            tokens[int(t - t0)] += 1
+        token_times = np.cumsum([r.start_time + r.ttft, *r.itl])
+        np.add.at(tokens, (token_times - t0).astype(int), 1)
         concurrent[int(r.start_time - t0) : int(r.start_time + r.latency - t0) + 1] += 1
     return float(tokens.max()), int(concurrent.max())
 

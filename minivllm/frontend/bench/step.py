@@ -18,8 +18,12 @@ import random
 import time
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
-from minivllm.frontend.bench.common import add_model_args, bench_engine_args, model_dir
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,17 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile-trace", default=None, help="also write the profile as a Chrome trace (JSON)"
     )
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p, output_json=False)
 
 
 class StepDriver:
     """Feeds the runner SchedulerOutputs as the scheduler would for these shapes."""
 
     def __init__(self, runner: Any, num: int, ctx: int, prefill: int, blocks_per_seq: int) -> None:
-        from minivllm.protocol.sampling_params import SamplingParams
-
         self.runner, self.num, self.ctx, self.prefill = runner, num, ctx, prefill
+        self.ids = [str(i) for i in range(num)]  # of the decoding sequences
         self.blocks_per_seq = blocks_per_seq
         self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True)
         self.rng = random.Random(0)
@@ -52,31 +54,23 @@ class StepDriver:
         return [self.rng.randint(0, 10000) for _ in range(n)]
 
     def start_decodes(self) -> Any:
-        from minivllm.protocol.messages import NewRequestData
-
-        ids = [str(i) for i in range(self.num)]
         bps = self.blocks_per_seq
         new = [
             NewRequestData(
                 rid, self._prompt(self.ctx), self.ctx, self.params,
                 list(range(i * bps, (i + 1) * bps)), self.ctx - 1,
             )
-            for i, rid in enumerate(ids)
+            for i, rid in enumerate(self.ids)
         ]  # fmt: skip
-        return self._launch(new, dict.fromkeys(ids, 1))
+        return self._launch(new, dict.fromkeys(self.ids, 1))
 
     def decode(self) -> Any:
-        from minivllm.protocol.messages import CachedRequestData
-
-        ids = [str(i) for i in range(self.num)]
         computed = [self.ctx - 1 + self.step_id] * self.num
-        cached = CachedRequestData(ids, [[] for _ in ids], computed)
-        return self._launch([], dict.fromkeys(ids, 1), cached)
+        cached = CachedRequestData(self.ids, [[] for _ in self.ids], computed)
+        return self._launch([], dict.fromkeys(self.ids, 1), cached)
 
     def prompt(self) -> Any:
         """A fresh prompt in blocks 0.. (the previous one is finished first)."""
-        from minivllm.protocol.messages import NewRequestData
-
         rid = f"p{self.step_id}"
         blocks = list(range(-(-self.prefill // self.runner.block_size)))
         new = NewRequestData(rid, self._prompt(self.prefill), self.prefill, self.params, blocks, 0)
@@ -85,8 +79,6 @@ class StepDriver:
         return self._launch([new], {rid: self.prefill}, finished=finished)
 
     def _launch(self, new: list, scheduled: dict, cached: Any = None, finished: Any = ()) -> Any:
-        from minivllm.protocol.messages import CachedRequestData, SchedulerOutput
-
         so = SchedulerOutput(
             self.step_id,
             scheduled_new_reqs=new,
@@ -100,8 +92,6 @@ class StepDriver:
 
 
 def _gpu_ms(fn: Any, reps: int = 20) -> float:
-    import torch
-
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     start.record()
@@ -113,8 +103,6 @@ def _gpu_ms(fn: Any, reps: int = 20) -> float:
 
 
 def main(args: argparse.Namespace) -> dict:
-    import torch
-
     from minivllm.worker.worker import Worker
 
     figures: dict[str, Any] = {}
@@ -165,8 +153,6 @@ def main(args: argparse.Namespace) -> dict:
             replay = _gpu_ms(lambda: runner.graphs.decode.replay(size))
             print(f"  graph replay (B={size}) GPU {replay:.2f} ms")
             figures["graph_replay_ms"] = replay
-        from torch.profiler import ProfilerActivity, profile
-
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             for _ in range(5):

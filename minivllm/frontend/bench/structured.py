@@ -44,13 +44,6 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-def json_schema_variant() -> tuple[str, dict[str, Any]]:
-    """The (name, extra SamplingParams) of the constrained run."""
-    from minivllm.protocol.structured_outputs import StructuredOutputsParams
-
-    return "json-schema", {"structured_outputs": StructuredOutputsParams(json=SCHEMA)}
-
-
 def summarize(outputs: list[Any], eos_token_ids: list[int]) -> dict[str, Any]:
     """How many outputs completed the object (a JSON value first, then EOS), and at which
     token on average; the others were still inside it at max_tokens."""

@@ -1,9 +1,10 @@
 """`minivllm bench throughput`: offline throughput, printed the way vLLM's
 `vllm bench throughput` prints it, plus the memory-traffic floor on CUDA.
 
-Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256 requests, 142,827
-prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU, where that takes
-minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output tokens each.
+Default workload: on a GPU, the reference workload (nano-vllm's offline benchmark: 256
+requests, 142,827 prompt and 133,966 output tokens, temperature 0.6, ignore_eos); on the CPU,
+where that takes minutes, vLLM's random dataset with 128 prompts of 256 tokens and 128 output
+tokens each.
 --num-prompts / --input-len / --output-len choose fixed shapes (--prefix-len puts one shared
 prefix before every prompt: e.g. 256 x (2048 shared + 64) in, 64 out at temperature 0 is the
 shared-prefix scenario that cascade attention serves); --reference-workload forces the
@@ -29,22 +30,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.frontend.arg_utils import add_engine_args
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from minivllm.config import EngineConfig, resolve_device
+from minivllm.frontend.bench import structured
 from minivllm.frontend.bench.common import (
-    add_model_args,
+    add_bench_args,
     max_token_id,
     model_dir,
-    resolve_device,
     start_llm,
     token_prompts,
     write_json,
 )
+from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
+from minivllm.frontend.bench.geometry import num_parameters
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
     random_workload,
     reference_workload,
 )
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,6 +77,11 @@ class RunResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
+
+    def figures(self, prefix: str = "") -> dict[str, Any]:
+        names = ("elapsed_s", "num_requests", "prompt_tokens", "output_tokens")
+        names += ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
+        return {prefix + name: getattr(self, name) for name in names}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,9 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64)
-    p.add_argument("--output-json", default=None, help="write the figures to this file")
-    add_model_args(p)
-    add_engine_args(p, model_required=False)
+    add_bench_args(p)
 
 
 CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
@@ -119,10 +130,9 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
         extra["logprobs"] = args.logprobs
     if args.penalties:
         extra.update(PENALTIES)
-    if getattr(args, "structured_outputs", False):
-        from minivllm.frontend.bench.structured import json_schema_variant
-
-        return [("plain", extra), json_schema_variant()]
+    if args.structured_outputs:
+        schema = {"structured_outputs": StructuredOutputsParams(json=structured.SCHEMA)}
+        return [("plain", extra), ("json-schema", schema)]
     if not args.sampling_variants:
         return [(", ".join(f"{k}={v}" for k, v in extra.items()) or "plain", extra)]
     num = 5 if args.logprobs is None else args.logprobs
@@ -131,18 +141,12 @@ def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any
 
 def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = "cuda") -> Workload:
     fixed = (args.num_prompts, args.input_len, args.output_len)
-    if getattr(args, "reference_workload", False) or (fixed == (None,) * 3 and device != "cpu"):
+    if args.reference_workload or (fixed == (None,) * 3 and device != "cpu"):
         return reference_workload()
     if fixed == (None,) * 3:
         fixed = CPU_DEFAULT_SHAPE
-    return random_workload(
-        fixed[0] or 1000,
-        fixed[1] or 1024,
-        fixed[2] or 128,
-        seed=args.seed,
-        vocab_limit=max_id,
-        prefix_len=getattr(args, "prefix_len", 0),
-    )
+    shape = [n or default for n, default in zip(fixed, (1000, 1024, 128), strict=True)]
+    return random_workload(*shape, seed=args.seed, vocab_limit=max_id, prefix_len=args.prefix_len)
 
 
 def run_minivllm(
@@ -150,8 +154,6 @@ def run_minivllm(
 ) -> RunResult:
     """Warm up on a few other prompts (so the prefix cache gives the timed run nothing),
     then time one `generate` of the whole workload; `extra`: more SamplingParams."""
-    from minivllm.protocol.sampling_params import SamplingParams
-
     extra = extra or {}
     max_id = max(max(p) for p in workload.prompts)
     warm = random_workload(min(8, len(workload.prompts)), 32, 16, seed=12345, vocab_limit=max_id)
@@ -182,19 +184,15 @@ def print_vllm_lines(r: RunResult) -> None:
     print(f"Elapsed: {r.elapsed_s:.3f} s; output token digest: {r.digest}")
 
 
-def floor_report(
-    hf_config: dict, dtype: str, kv_cache_dtype: str, workload: Workload, r: RunResult
-) -> dict:
+def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict:
     """Measure the device copy bandwidth now and compare the run with the traffic floors of
     a 16-bit and an FP8 KV cache (the one this run used first)."""
-    from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
-    from minivllm.frontend.bench.geometry import num_parameters
-
+    hf_config, dtype = config.model.hf_config, config.model.dtype
     heads = int(hf_config["num_attention_heads"])
     bandwidth = measure_copy_bandwidth()
     print(f"Device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
     kv_kinds = [(dtype, _DTYPE_BYTES[dtype]), ("fp8", 1)]
-    if kv_cache_dtype != "auto":
+    if config.cache.kv_cache_dtype != "auto":
         kv_kinds.reverse()
     figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
     for name, elem in kv_kinds:
@@ -225,6 +223,55 @@ def floor_report(
     return figures
 
 
+def run_hf(
+    model_dir: str,
+    workload: Workload,
+    device: str,
+    temperature: float,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> RunResult:
+    """The workload through HF transformers `generate`, the baseline people quote: batches
+    of 64 sorted by length, random weights from the model's config.json (bf16 on CUDA, fp32
+    on CPU), as the published HF baseline. Each batch generates max-of-batch tokens, but
+    only each request's own output length counts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(model_dir)
+    # .to(dtype) rather than from_config's dtype keyword, whose name changed in transformers 5
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+    order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    counted = 0
+    start = time.perf_counter()
+    for batch in batches:
+        rows = [torch.tensor(workload.prompts[i]) for i in batch]
+        ids, mask = (
+            pad_sequence(xs, batch_first=True, padding_side="left").to(device)
+            for xs in (rows, [torch.ones_like(row) for row in rows])
+        )
+        new = max(workload.output_lens[i] for i in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,  # ignore_eos: random weights may sample an EOS id
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+        counted += sum(workload.output_lens[i] for i in batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return RunResult(elapsed, len(workload.prompts), workload.num_prompt_tokens, counted)
+
+
 def main(args: argparse.Namespace) -> dict:
     figures: dict[str, Any] = {}
     with model_dir(args) as (model, geometry):
@@ -250,56 +297,37 @@ def main(args: argparse.Namespace) -> dict:
             f"{config.model.hf_config['hidden_size']}, vocab {config.model.vocab_size}; "
             f"device {config.device.device}, dtype {config.model.dtype}"
         )
-        results = []
+        results: dict[str, RunResult] = {}
         try:
             for name, extra in sampling_variants(args):
                 print(f"Sampling: {name}")
-                results.append((name, run_minivllm(llm, workload, args.temperature, extra)))
-                print_vllm_lines(results[-1][1])
+                results[name] = run = run_minivllm(llm, workload, args.temperature, extra)
+                print_vllm_lines(run)
                 if "structured_outputs" in extra:
-                    from minivllm.frontend.bench.structured import summarize
-
                     eos = llm.llm_engine.input_processor.eos_token_ids
-                    figures["structured_outputs"] = summarize(results[-1][1].outputs, eos)
+                    figures["structured_outputs"] = structured.summarize(run.outputs, eos)
         finally:
             llm.shutdown()
+        base_name, result = next(iter(results.items()))
         if len(results) > 1:
-            base = results[0][1].output_tokens_per_s
-            for name, r in results:
-                print(
-                    f"{name}: {r.output_tokens_per_s:.0f} output tok/s = {100 * r.output_tokens_per_s / base:.1f}% of {results[0][0]}"
-                )
+            for name, r in results.items():
+                tok_s = r.output_tokens_per_s
+                share = 100 * tok_s / result.output_tokens_per_s
+                print(f"{name}: {tok_s:.0f} output tok/s = {share:.1f}% of {base_name}")
             figures["sampling_variants"] = {
                 name: {"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s}
-                for name, r in results
+                for name, r in results.items()
             }
-        result = results[0][1]
         figures.update(
             model=model if geometry is None else geometry,
             device=config.device.device,
             dtype=config.model.dtype,
-            elapsed_s=result.elapsed_s,
-            num_requests=result.num_requests,
-            prompt_tokens=result.prompt_tokens,
-            output_tokens=result.output_tokens,
-            requests_per_s=result.requests_per_s,
-            total_tokens_per_s=result.total_tokens_per_s,
-            output_tokens_per_s=result.output_tokens_per_s,
+            **result.figures(),
             output_digest=result.digest,
         )
         if config.device.device == "cuda":
-            figures.update(
-                floor_report(
-                    config.model.hf_config,
-                    config.model.dtype,
-                    config.cache.kv_cache_dtype,
-                    workload,
-                    result,
-                )
-            )
+            figures.update(floor_report(config, workload, result))
         if args.compare == "hf":
-            from minivllm.frontend.bench.hf_compare import run_hf
-
             sub = workload.subset(args.compare_num_prompts)
             hf = run_hf(model, sub, config.device.device, args.temperature, args.seed)
             ratio = result.output_tokens_per_s / hf.output_tokens_per_s
@@ -308,12 +336,6 @@ def main(args: argparse.Namespace) -> dict:
                 f"{hf.elapsed_s:.2f} s = {hf.output_tokens_per_s:.2f} output tokens/s; "
                 f"mini-vllm / HF = {ratio:.2f}x"
             )
-            figures.update(
-                hf_num_requests=hf.num_requests,
-                hf_output_tokens=hf.output_tokens,
-                hf_elapsed_s=hf.elapsed_s,
-                hf_output_tokens_per_s=hf.output_tokens_per_s,
-                ratio_to_hf=ratio,
-            )
+            figures.update(hf.figures("hf_"), ratio_to_hf=ratio)
     write_json(args.output_json, figures)
     return figures

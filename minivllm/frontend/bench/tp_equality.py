@@ -15,6 +15,9 @@ import random
 import tempfile
 import time
 
+from minivllm import LLM, SamplingParams
+from minivllm.frontend.bench.geometry import write_geometry
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--geometry", default="qwen3-8b")
@@ -28,9 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> bool:
     """True when every TP size gave the first one's tokens (the command exits 1 otherwise)."""
-    from minivllm import LLM, SamplingParams
-    from minivllm.frontend.bench.geometry import write_geometry
-
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(rng.randint(16, 256))]}

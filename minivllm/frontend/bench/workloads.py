@@ -1,4 +1,5 @@
-"""Benchmark workloads as token ids: the reference workload, vLLM-style fixed shapes and\nvLLM's random dataset."""
+"""Benchmark workloads as token ids: the reference workload, vLLM-style fixed shapes and
+vLLM's random dataset."""
 
 from __future__ import annotations
 
@@ -50,14 +51,11 @@ def reference_workload() -> Workload:
     ]
     output_lens = [rng.randint(100, 1024) for _ in range(REFERENCE_NUM_PROMPTS)]
     w = Workload("reference (nano-vllm offline)", prompts, output_lens)
-    if (w.num_prompt_tokens, w.num_output_tokens) != (
-        REFERENCE_PROMPT_TOKENS,
-        REFERENCE_OUTPUT_TOKENS,
-    ):
+    got = (w.num_prompt_tokens, w.num_output_tokens)
+    if got != (REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS):
         raise RuntimeError(
-            f"reference workload drifted: {w.num_prompt_tokens} prompt / "
-            f"{w.num_output_tokens} output tokens, expected {REFERENCE_PROMPT_TOKENS} / "
-            f"{REFERENCE_OUTPUT_TOKENS}"
+            f"reference workload drifted: {got[0]} prompt / {got[1]} output tokens, expected "
+            f"{REFERENCE_PROMPT_TOKENS} / {REFERENCE_OUTPUT_TOKENS}"
         )
     return w
 
@@ -81,11 +79,8 @@ def random_workload(
         prefix + [rng.randint(0, vocab_limit) for _ in range(input_len)] for _ in range(num_prompts)
     ]
     shared = f"{prefix_len} shared + " if prefix_len else ""
-    return Workload(
-        f"random {num_prompts}x({shared}{input_len} in, {output_len} out)",
-        prompts,
-        [output_len] * num_prompts,
-    )
+    name = f"random {num_prompts}x({shared}{input_len} in, {output_len} out)"
+    return Workload(name, prompts, [output_len] * num_prompts)
 
 
 def sample_random(
