@@ -7,12 +7,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.dp_client import DPAsyncClient, attach_client, make_client
-from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
@@ -76,7 +75,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -152,17 +151,13 @@ class AsyncLLM:
                         queue.put(ValueError(f"request {request_id} failed: {error}"))
                 if processed.reqs_to_abort:
                     await self.client.abort_requests_async(processed.reqs_to_abort)
-        except EngineDeadError as e:
+        except Exception as e:  # cancellation (a BaseException) passes
+            if not isinstance(e, EngineDeadError):  # a bug here must not leave callers hanging
+                logger.exception("output handler failed")
+                e = EngineDeadError(f"the frontend's output handler failed: {e}")
             self.dead = e
             for queue in self._queues.values():
                 queue.put(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug here must not leave callers hanging
-            logger.exception("output handler failed")
-            self.dead = EngineDeadError(f"the frontend's output handler failed: {e}")
-            for queue in self._queues.values():
-                queue.put(self.dead)
 
     def do_log_stats(self) -> None:
         """Have the stat loggers report (the periodic log line)."""

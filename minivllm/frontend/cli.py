@@ -35,20 +35,17 @@ def _add_engine_core(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--address",
-        default=None,
         help="input address: ipc:///path or tcp://HOST:PORT (default: an ipc socket in a "
         "private directory; tcp binds 127.0.0.1 unless a host is given)",
     )
     p.add_argument(
         "--curve-secret-key",
-        default=None,
         metavar="FILE",
         help="this engine-core's CURVE secret key (NAME.key_secret from `minivllm keygen`); "
         "needed, with --curve-clients, to listen on a tcp address other than loopback",
     )
     p.add_argument(
         "--curve-clients",
-        default=None,
         metavar="DIR",
         help="directory of the public keys (*.key) of the clients allowed to connect",
     )

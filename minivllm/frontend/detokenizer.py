@@ -22,6 +22,7 @@ import weakref
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minivllm.frontend.tokenizer import Tokenizer as HFTokenizer
 from minivllm.protocol.messages import FinishReason
@@ -229,7 +230,8 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteT
     backend: Tokenizer = tokenizer.backend_tokenizer
     if not isinstance(backend.decoder, ByteLevel):
         return None
-    char_to_byte = _byte_level_chars()
+    # GPT-2's map from the 256 printable stand-in characters back to bytes
+    char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = []
     for i in range(backend.get_vocab_size(with_added_tokens=True)):
@@ -247,16 +249,6 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteT
         except UnicodeDecodeError:
             texts.append(None)
     return table, texts
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's map from the 256 printable stand-in characters back to bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in printable]
-    chars.update({chr(256 + n): b for n, b in enumerate(others)})
-    return chars
 
 
 def _clean_suffix(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[int]:

@@ -36,38 +36,32 @@ from minivllm.protocol.messages import (
 DEFAULT_BLOCK_SIZE = 16  # prefix affinity's block when attached to daemons of unknown size
 
 
-def _spawn_all(client_class, config: EngineConfig) -> list[Any]:
-    """Spawn every rank's engine-core at once (their start-ups overlap), then attach a
-    client to each in turn; if any fails, stop them all and raise, naming the rank."""
-    launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
+def _attach_all(
+    client_class, targets: list[str] | list[EngineCoreLaunch], curve: CurveClientKeys | None = None
+) -> tuple[list[Any], list[str]]:
+    """Attach a client to each engine-core, spawned (its start-ups overlap the attaches
+    before it) or a daemon at an address; all must serve the same model. If any fails, stop
+    them all and raise, naming the rank. Returns the clients and their input addresses."""
     clients: list[Any] = []
     try:
-        for i, launch in enumerate(launches):
+        for i, target in enumerate(targets):
             try:
-                clients.append(client_class(address=launch))
+                clients.append(client_class(address=target, curve=curve))
             except EngineStartupError as e:
-                raise EngineStartupError(f"engine-core {i} of {len(launches)}: {e}") from e
-    except BaseException:
-        for c in clients:
-            c.shutdown()
-        for launch in launches[len(clients) + 1 :]:
-            launch.cancel()
-        raise
-    return clients
-
-
-def _connect_all(client_class, addresses: list[str], curve: CurveClientKeys | None) -> list[Any]:
-    """Attach a client to each daemon; all must serve the same model."""
-    clients: list[Any] = []
-    try:
-        for address in addresses:
-            clients.append(client_class.connect(address, curve))
+                raise EngineStartupError(f"engine-core {i} of {len(targets)}: {e}") from e
+        addresses = [
+            t if isinstance(t, str) else c.info.input_address
+            for c, t in zip(clients, targets, strict=True)
+        ]
         _check_same_model([c.info for c in clients], addresses)
     except BaseException:
         for c in clients:
             c.shutdown()
+        for target in targets[len(clients) + 1 :]:
+            if isinstance(target, EngineCoreLaunch):
+                target.cancel()
         raise
-    return clients
+    return clients, addresses
 
 
 _SAME_MODEL_FIELDS = ("model", "tokenizer", "max_model_len")
@@ -100,7 +94,7 @@ class _DPClient:
     clients: list[_MPClient]
     client_class: type[_MPClient]
 
-    def __init__(self, clients: list[_MPClient], block_size: int, addresses: list[str]) -> None:
+    def __init__(self, clients: list[_MPClient], addresses: list[str], block_size: int) -> None:
         self.clients = clients
         self.addresses = addresses
         self.router = DPRouter(len(clients), block_size)
@@ -109,13 +103,12 @@ class _DPClient:
 
     @classmethod
     def start(cls, config: EngineConfig) -> Self:
-        clients = _spawn_all(cls.client_class, config)
-        return cls(clients, config.cache.block_size, [c.info.input_address for c in clients])
+        launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
+        return cls(*_attach_all(cls.client_class, launches), config.cache.block_size)
 
     @classmethod
     def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> Self:
-        clients = _connect_all(cls.client_class, addresses, curve)
-        return cls(clients, DEFAULT_BLOCK_SIZE, list(addresses))
+        return cls(*_attach_all(cls.client_class, list(addresses), curve), DEFAULT_BLOCK_SIZE)
 
     def engine_config(self) -> EngineConfig:
         """The config to work with when attached to daemons (they serve the same model)."""
@@ -149,15 +142,27 @@ class _DPClient:
             lost,
         )
 
-    def _choose(self, requests: list[EngineCoreRequest]) -> int:
-        try:
-            engine = self.router.choose(requests[0].prompt_token_ids)
-        except LookupError:
-            raise EngineDeadError(
-                f"the engine is dead: every engine-core died: {self.router.dead}"
-            ) from None
-        self.router.assign([r.request_id for r in requests], requests[0].prompt_token_ids, engine)
-        return engine
+    def _route(self, requests: list[EngineCoreRequest]) -> int:
+        """The core to send `requests` (one user request) to; a core found dead on the way
+        is marked so, and the next one chosen."""
+        prompt = requests[0].prompt_token_ids
+        while True:
+            try:
+                engine = self.router.choose(prompt)
+            except LookupError:
+                raise EngineDeadError(
+                    f"the engine is dead: every engine-core died: {self.router.dead}"
+                ) from None
+            try:
+                self.clients[engine]._check_alive()
+            except EngineDeadError as e:
+                self._on_death(engine, e)
+                continue
+            self.router.assign([r.request_id for r in requests], prompt, engine)
+            return engine
+
+    def _on_death(self, engine: int, error: BaseException) -> None:
+        raise NotImplementedError
 
     def _forget(self, request_ids: list[str]) -> dict[int, list[str]]:
         """Stop tracking aborted requests; their ids by the live core that holds them."""
@@ -202,8 +207,8 @@ class DPSyncClient(_DPClient, EngineCoreClient):
     clients: list[SyncMPClient]
     client_class = SyncMPClient
 
-    def __init__(self, clients: list[SyncMPClient], block_size: int, addresses: list[str]) -> None:
-        super().__init__(clients, block_size, addresses)
+    def __init__(self, clients: list[SyncMPClient], addresses: list[str], block_size: int) -> None:
+        super().__init__(clients, addresses, block_size)
         self._deaths: deque[EngineDeadError] = deque()
 
     def _on_death(self, engine: int, error: BaseException) -> None:
@@ -215,16 +220,7 @@ class DPSyncClient(_DPClient, EngineCoreClient):
         self.add_requests([request])
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        while True:
-            engine = self._choose(requests)
-            try:
-                self.clients[engine].add_request(requests[0])
-                break
-            except EngineDeadError as e:  # nothing sent: try another core
-                self._forget([r.request_id for r in requests])
-                self._on_death(engine, e)
-        for r in requests[1:]:
-            self.clients[engine].add_request(r)
+        self.clients[self._route(requests)].add_requests(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():
@@ -240,10 +236,10 @@ class DPSyncClient(_DPClient, EngineCoreClient):
                     out = pending.popleft()
                     self._account(e, out)
                     return out
-            if self._deaths:
-                err = self._deaths.popleft()
-                if not isinstance(err, EngineCoreDeadError):
-                    self._deaths.appendleft(err)  # every later caller learns it too
+            if self._deaths:  # every later caller learns of a dead engine too
+                err = self._deaths[0]
+                if isinstance(err, EngineCoreDeadError):
+                    self._deaths.popleft()
                 raise err
             for e in alive:
                 poller.register(self.clients[e].output_sock, zmq.POLLIN)
@@ -280,8 +276,8 @@ class DPAsyncClient(_DPClient):
     clients: list[AsyncMPClient]
     client_class = AsyncMPClient
 
-    def __init__(self, clients: list[AsyncMPClient], block_size: int, addresses: list[str]) -> None:
-        super().__init__(clients, block_size, addresses)
+    def __init__(self, clients: list[AsyncMPClient], addresses: list[str], block_size: int) -> None:
+        super().__init__(clients, addresses, block_size)
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -316,21 +312,9 @@ class DPAsyncClient(_DPClient):
         if err is not None and self.outputs is not None:
             self.outputs.put_nowait(err)
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self.add_requests_async([request])
-
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._ensure_started()
-        while True:
-            engine = self._choose(requests)
-            try:
-                await self.clients[engine].add_request_async(requests[0])
-                break
-            except EngineDeadError as e:  # nothing sent: try another core
-                self._forget([r.request_id for r in requests])
-                self._on_death(engine, e)
-        for r in requests[1:]:
-            await self.clients[engine].add_request_async(r)
+        await self.clients[self._route(requests)].add_requests_async(requests)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():

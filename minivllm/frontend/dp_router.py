@@ -92,10 +92,9 @@ class DPRouter:
             self.in_flight[engine] -= 1
         return engine
 
-    def update_stats(self, engine: int, stats: SchedulerStats | None) -> None:
-        if stats is not None:
-            self.reported[engine] = stats.num_running + stats.num_waiting
-            self.sent_since_stats[engine] = 0
+    def update_stats(self, engine: int, stats: SchedulerStats) -> None:
+        self.reported[engine] = stats.num_running + stats.num_waiting
+        self.sent_since_stats[engine] = 0
 
     def by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
         """The ids grouped by the core that owns them (unknown ids are left out)."""

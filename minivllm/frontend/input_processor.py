@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from minivllm.config import ModelConfig
-from minivllm.frontend.tokenizer import Tokenizer, encode, max_token_id
+from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.protocol.limits import MAX_USER_REQUEST_ID_CHARS
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
@@ -31,10 +31,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         # The model's vocabulary may be padded past the tokenizer's and vice versa (Qwen);
-        # an id is out of range only if both reject it.
+        # an id is out of range only if both reject it (len: added tokens included).
         self.max_token_id = model_config.vocab_size - 1
         if tokenizer is not None:
-            self.max_token_id = max(self.max_token_id, max_token_id(tokenizer))
+            self.max_token_id = max(self.max_token_id, len(tokenizer) - 1)
         eos = list(model_config.eos_token_ids)
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
@@ -128,7 +128,7 @@ class InputProcessor:
         )
         return {
             "prompt": text,
-            "prompt_token_ids": encode(self.tokenizer, text, add_special_tokens=False),
+            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
         }
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -156,7 +156,7 @@ class InputProcessor:
                 "prompt: a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
                 "pass prompt_token_ids instead"
             )
-        return encode(self.tokenizer, text)
+        return self.tokenizer.encode(text)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -209,14 +209,13 @@ class InputProcessor:
                 f"(valid ids are 0..{self.max_token_id})"
             )
         if params.structured_outputs is not None:
-            self._validate_structured_outputs(params.structured_outputs)
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs need a tokenizer, but skip_tokenizer_init=True"
+                )
+            from minivllm.engine_core.structured_output.grammar import check
 
-    def _validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
-        from minivllm.engine_core.structured_output.grammar import check
-
-        check(params)
+            check(params.structured_outputs)
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """The token sequences `bad_words` forbids, as vLLM finds them: each word without a
@@ -228,11 +227,11 @@ class InputProcessor:
             raise ValueError("bad_words need a tokenizer, but skip_tokenizer_init=True")
         sequences: list[list[int]] = []
         for word in bad_words:
-            bare = encode(self.tokenizer, word.lstrip(), add_special_tokens=False)
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if not bare:
                 raise ValueError("bad_words entries must tokenize to at least one token.")
             sequences.append(bare)
-            spaced = encode(self.tokenizer, " " + word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 sequences.append(spaced)
         bad = [t for ids in sequences for t in ids if not 0 <= t <= self.max_token_id]

@@ -10,12 +10,11 @@ from typing import Any
 import msgspec
 
 from minivllm.config import EngineArgs
+from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import attach_client, make_client
-from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
@@ -46,14 +43,11 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue one request; raises ValueError (naming the parameter) if invalid."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        arrival_time = time.time() if arrival_time is None else arrival_time
         requests = self.output_processor.add_user_request(
             request_id, prompt, params, self.input_processor, arrival_time
         )

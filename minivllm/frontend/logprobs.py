@@ -5,6 +5,7 @@ the end), with each token's text as vLLM gives it."""
 from __future__ import annotations
 
 import json
+import os
 
 from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
@@ -124,12 +125,7 @@ class TokenTexts:
             while clean > 0 and self.text(ctx[clean - 1]).endswith(_REPLACEMENT):
                 clean -= 1
             prefix = decode(ctx[:clean]) if clean else ""
-            if full.startswith(prefix):
-                return full[len(prefix) :]
-            common = 0
-            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
-                common += 1
-            return full[common:]
+            return full[len(os.path.commonprefix([prefix, full])) :]
         return ""
 
 

@@ -97,43 +97,38 @@ class RequestState:
 
     def __init__(
         self,
-        internal_id: str,
+        request: EngineCoreRequest,
         user_request_id: str,
         prompt_text: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        detokenizer: IncrementalDetokenizer | None,
+        tokenizer: Tokenizer | None,
+        token_texts: TokenTexts | None,
         parent: ParentRequest | None,
         index: int,
-        queue: RequestOutputCollector | None = None,
-        logprobs: RequestLogprobs | None = None,
+        queue: RequestOutputCollector | None,
     ) -> None:
-        self.internal_id = internal_id
+        params = request.sampling_params
+        self.internal_id = request.request_id
         self.user_request_id = user_request_id
         self.prompt_text = prompt_text
-        self.prompt_token_ids = prompt_token_ids
+        self.prompt_token_ids = request.prompt_token_ids
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
-        self.detokenizer = detokenizer
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params)
         self.parent = parent
         self.index = index
         self.queue = queue  # where AsyncLLM's consumer waits; None: returned to the caller
         self.token_ids: list[int] = []  # all of them; not kept for DELTA
         self.num_cached_tokens = 0
-        self.logprobs = logprobs  # None unless (prompt) logprobs were asked for
+        self.logprobs = None  # unless (prompt) logprobs were asked for
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.logprobs = RequestLogprobs(params.logprobs, params.prompt_logprobs, token_texts)
 
     @property
     def prompt_logprobs(self) -> PromptLogprobs | None:
         """For the next RequestOutput (DELTA: only the first that has them)."""
         return None if self.logprobs is None else self.logprobs.prompt_logprobs(self.delta)
-
-    def update(self, new_token_ids: list[int], finish_reason: FinishReason | None) -> str | None:
-        """Take one step's ids; return the stop string that ended the text, if any."""
-        if not self.delta:
-            self.token_ids.extend(new_token_ids)
-        if self.detokenizer is None:
-            return None
-        return self.detokenizer.update(new_token_ids, finish_reason)
 
     def completion(
         self,
@@ -192,72 +187,27 @@ class OutputProcessor:
         """Validate and register one user request; return the core requests to send
         (n of them when params.n > 1). Raises ValueError for bad input or a running id.
         With a `queue`, its outputs go there instead of into `process_outputs`' result."""
-        self._check_new_user_id(request_id)
+        if request_id in self.user_requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
         prompt_text, request = input_processor.process(request_id, prompt, params, arrival_time)
-        return self.add_engine_request(request_id, prompt_text, request, queue)
-
-    def add_engine_request(
-        self,
-        user_request_id: str,
-        prompt_text: str | None,
-        request: EngineCoreRequest,
-        queue: RequestOutputCollector | None = None,
-    ) -> list[EngineCoreRequest]:
-        """Register a processed request (see `InputProcessor.process`), fanning it out when
-        n > 1; return the core requests to send."""
-        params = request.sampling_params
-        if params.n == 1:
-            children, parent = [request], None
-        else:
-            parent = ParentRequest(request.request_id, params)
+        parent = None
+        children = [request]
+        if request.sampling_params.n > 1:
+            parent = ParentRequest(request.request_id, request.sampling_params)
             children = parent.fan_out(request)
         for index, child in enumerate(children):
-            self.add_request(
-                child.request_id,
-                user_request_id,
+            self.request_states[child.request_id] = RequestState(
+                child,
+                request_id,
                 prompt_text,
-                child.prompt_token_ids,
-                child.sampling_params,
-                parent=parent,
-                index=index,
-                queue=queue,
+                self.tokenizer,
+                self.token_texts,
+                parent,
+                index,
+                queue,
             )
+        self.user_requests[request_id] = [child.request_id for child in children]
         return children
-
-    def add_request(
-        self,
-        internal_id: str,
-        user_request_id: str,
-        prompt_text: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        parent: ParentRequest | None = None,
-        index: int = 0,
-        queue: RequestOutputCollector | None = None,
-    ) -> None:
-        """Track one engine-core request; `parent` and `index` place it among n > 1 siblings."""
-        if internal_id in self.request_states:
-            raise ValueError(f"request_id: internal id {internal_id!r} is already running")
-        if parent is None or index == 0:
-            self._check_new_user_id(user_request_id)
-        detokenizer = logprobs = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            logprobs = RequestLogprobs(params.logprobs, params.prompt_logprobs, self.token_texts)
-        self.request_states[internal_id] = RequestState(
-            internal_id,
-            user_request_id,
-            prompt_text,
-            prompt_token_ids,
-            params,
-            detokenizer,
-            parent,
-            index,
-            queue,
-            logprobs,
-        )
-        self.user_requests.setdefault(user_request_id, []).append(internal_id)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Turn one step's engine-core outputs into user-facing `RequestOutput`s: put into
@@ -275,7 +225,11 @@ class OutputProcessor:
                 continue
             if state.logprobs is not None:
                 state.logprobs.add(out.new_logprobs, out.new_prompt_logprobs)
-            stop_string = state.update(out.new_token_ids, finish_reason)
+            if not state.delta:
+                state.token_ids.extend(out.new_token_ids)
+            stop_string = None  # the stop string that ended the text, if any
+            if state.detokenizer is not None:
+                stop_string = state.detokenizer.update(out.new_token_ids, finish_reason)
             if stop_string is not None:
                 if finish_reason is None:
                     result.reqs_to_abort.append(state.internal_id)
@@ -293,22 +247,6 @@ class OutputProcessor:
             else:
                 result.request_outputs.append(request_output)
         return result
-
-    def abort_requests(self, internal_ids: list[str]) -> list[RequestOutput]:
-        """Forget these requests; return a final 'abort' output for each user request that
-        thereby ends (the caller aborts them in the core)."""
-        request_outputs = []
-        for internal_id in internal_ids:
-            state = self.request_states.get(internal_id)
-            if state is None:
-                continue
-            state.update([], FinishReason.ABORT)  # release held-back text
-            completion = state.completion([], FinishReason.ABORT, None)
-            self._forget(state)
-            request_output = self._request_output(state, completion)
-            if request_output is not None:
-                request_outputs.append(request_output)
-        return request_outputs
 
     def abort_user_requests(self, user_request_ids: list[str]) -> list[str]:
         """Forget these user requests (all n children); return the internal ids to abort in
@@ -337,10 +275,6 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
-
-    def _check_new_user_id(self, user_request_id: str) -> None:
-        if user_request_id in self.user_requests:
-            raise ValueError(f"request_id {user_request_id!r} is already running")
 
     def _fail(self, state: RequestState, error: str, result: ProcessedOutputs) -> None:
         """A request failed: end it (and its n > 1 siblings, which the core must drop too)

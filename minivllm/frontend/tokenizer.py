@@ -1,4 +1,4 @@
-"""Loading the HF tokenizer, and the few things the frontend asks of it."""
+"""Loading the HF tokenizer the frontend works with."""
 
 from __future__ import annotations
 
@@ -21,14 +21,3 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Tokenizer:
             f"tokenizer: {path!r} has no fast (tokenizers) version, which mini-vllm needs"
         )
     return tokenizer
-
-
-def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; `add_special_tokens` adds BOS etc. (off for chat-templated text,
-    which already carries them)."""
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def max_token_id(tokenizer: Tokenizer) -> int:
-    """The largest id the tokenizer knows, added tokens included."""
-    return len(tokenizer) - 1

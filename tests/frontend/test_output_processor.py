@@ -165,16 +165,6 @@ def test_errors_surface_and_end_the_whole_request(processors):
     assert not output_processor.has_unfinished_requests()
 
 
-def test_abort_gives_a_final_output_with_the_text_so_far(processors, tokenizer):
-    (request,) = add(processors, "u", output_kind=DELTA, stop=["xyz!"])
-    output_processor = processors[1]
-    run(output_processor, request.request_id, tokenizer.encode("Hello"), None)
-    (out,) = output_processor.abort_requests([request.request_id, "unknown"])
-    assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert out.outputs[0].text == "llo"  # the stop-string hold-back, released
-    assert output_processor.abort_requests([request.request_id]) == []
-
-
 def test_abort_user_requests_returns_the_internal_ids(processors):
     requests = add(processors, "u", n=2)
     internal = processors[1].abort_user_requests(["u", "unknown"])

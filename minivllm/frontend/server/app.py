@@ -36,7 +36,6 @@ from minivllm.frontend.server.protocol import (
     ModelPermission,
     TokenizeRequest,
 )
-from minivllm.frontend.tokenizer import encode
 from minivllm.protocol.messages import SchedulerStats
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -135,7 +134,7 @@ class ServerState:
                 "--skip-tokenizer-init; send token ids",
                 param=param,
             )
-        return encode(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
