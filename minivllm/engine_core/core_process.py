@@ -44,7 +44,7 @@ from minivllm.protocol.messages import (
     UtilityMethod,
     UtilityResult,
 )
-from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder, ProtocolError
+from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class EngineCoreProc:
         elif isinstance(msg, UtilityCall):
             self.output_queue.put((client_id, EngineCoreOutputs(utility_result=self._call(msg))))
         elif msg == _CLIENT_GONE:
-            aborted = core.abort_client(client_id)
+            aborted = core.abort_requests(list(core.scheduler.requests), client_id)
             logger.info("client %d is gone; aborted its %d request(s)", client_id, len(aborted))
 
     def _call(self, call: UtilityCall) -> UtilityResult:
@@ -170,23 +170,14 @@ class EngineCoreProc:
     ) -> tuple[int, Any] | None:
         """(client id, message); None, after a log line naming the peer and the reason,
         for anything that is not a message from a client."""
-        try:
-            msg = decoder.decode(frames)
-        except ProtocolError as e:
-            reason = str(e)
-        else:
-            if len(identity) == 4:
-                return int.from_bytes(identity, "little"), msg
+        if len(identity) != 4:
+            peer = transport.peer_of(frames[0])
             reason = "the sender did not name itself as a client"
-        sender = f"client {identity.hex()}" if len(identity) == 4 else "a peer"
-        logger.warning(
-            "dropped a message on the %s socket from %s at %s: %s",
-            where,
-            sender,
-            transport.peer_of(frames[0]),
-            reason,
-        )
-        return None
+            logger.warning("dropped a message on the %s socket from %s: %s", where, peer, reason)
+            return None
+        client = f"client {identity.hex()}: "
+        msg = transport.decode_or_drop(decoder, frames, f"the {where} socket", client)
+        return None if msg is None else (int.from_bytes(identity, "little"), msg)
 
     def _input_loop(self) -> None:
         decoder = MsgDecoder(FRONTEND_TO_CORE, max_ids=self.config.model.max_model_len)

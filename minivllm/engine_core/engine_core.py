@@ -35,18 +35,17 @@ logger = logging.getLogger(__name__)
 
 
 def _executor_class(config: EngineConfig) -> type[Executor]:
-    if config.parallel.distributed_executor_backend == "mp":
-        return MultiprocExecutor
-    if config.parallel.distributed_executor_backend == "ray":
+    backend = config.parallel.distributed_executor_backend
+    if backend == "ray":
         from minivllm.engine_core.ray_executor import RayExecutor  # Ray is an optional extra
 
         return RayExecutor
-    if config.parallel.tensor_parallel_size != 1:
+    if backend == "uni" and config.parallel.tensor_parallel_size != 1:
         raise ValueError(
             "distributed_executor_backend='uni' runs one in-process worker: "
             "tensor_parallel_size must be 1"
         )
-    return UniProcExecutor
+    return MultiprocExecutor if backend == "mp" else UniProcExecutor
 
 
 class EngineCore:
@@ -99,20 +98,15 @@ class EngineCore:
             )
             self._rejected.setdefault(request.client_id, []).append(out)
 
-    def abort_requests(self, request_ids: list[str], client_id: int | None = None) -> None:
-        """Abort requests (only those of `client_id`, when given). No output is sent: the
-        client that aborts already knows."""
+    def abort_requests(self, request_ids: list[str], client_id: int | None = None) -> list[str]:
+        """Abort requests; with `client_id`, only those held for that client, which are
+        returned. No output is sent: the client that aborts already knows."""
         if client_id is not None:
             held = self.scheduler.requests
             request_ids = [r for r in request_ids if r in held and held[r].client_id == client_id]
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-
-    def abort_client(self, client_id: int) -> list[str]:
-        """Abort every request of a client that went away."""
-        ids = [r for r, req in self.scheduler.requests.items() if req.client_id == client_id]
-        self.abort_requests(ids)
-        return ids
+        return request_ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._rejected)

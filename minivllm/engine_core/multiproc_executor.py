@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import zmq
 
@@ -157,13 +158,9 @@ class MultiprocExecutor(Executor):
 
     def _recv_startup(self, deadline: float) -> Rendezvous | WorkerLoaded | WorkerReady:
         while time.monotonic() < deadline:
-            frames = transport.recv_msg(self.results, timeout_ms=_POLL_MS)
-            if frames is None:
-                dead = self._dead_worker()
-                if dead:
-                    raise EngineStartupError(f"{dead} during startup")
-                continue
-            msg = self._decode(frames)
+            msg = self._recv(_POLL_MS)
+            if msg is None and (dead := self._dead_worker()):
+                raise EngineStartupError(f"{dead} during startup")
             if isinstance(msg, ModelRunnerOutput) and msg.error:
                 raise EngineStartupError(msg.error)
             if isinstance(msg, (Rendezvous, WorkerLoaded, WorkerReady)):
@@ -202,12 +199,9 @@ class MultiprocExecutor(Executor):
     def _poll_output(self, step_id: int, timeout_ms: int) -> ModelRunnerOutput | None:
         if step_id in self._outputs:
             return self._outputs.pop(step_id)
-        frames = transport.recv_msg(self.results, timeout_ms=timeout_ms)
-        if frames is None:
-            self.check_health()
-            return None
-        msg = self._decode(frames)
+        msg = self._recv(timeout_ms)
         if not isinstance(msg, ModelRunnerOutput):
+            self.check_health()
             return None
         if msg.error:
             self._dead = msg.error
@@ -217,7 +211,12 @@ class MultiprocExecutor(Executor):
         self._outputs[msg.step_id] = msg
         return None
 
-    def _decode(self, frames):
+    def _recv(self, timeout_ms: int) -> Any:
+        """The next message from a worker; None if none came within `timeout_ms` (or what
+        came did not decode)."""
+        frames = transport.recv_msg(self.results, timeout_ms=timeout_ms)
+        if frames is None:
+            return None
         return transport.decode_or_drop(self.decoder, frames, "the results socket")
 
     def fail_hung_step(self, step_id: int | None, what: str, rank: int = 0) -> None:
@@ -251,10 +250,7 @@ class MultiprocExecutor(Executor):
         seen first. Wait briefly for that message: the cause beats an exit code."""
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:
-            frames = transport.recv_msg(self.results, timeout_ms=50)
-            if frames is None:
-                continue
-            msg = self._decode(frames)
+            msg = self._recv(50)
             if isinstance(msg, ModelRunnerOutput):
                 if msg.error:
                     return f"{msg.error.rstrip()}\n({exit_status})"

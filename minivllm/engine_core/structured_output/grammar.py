@@ -47,23 +47,31 @@ def check(params: StructuredOutputsParams) -> None:
 @functools.lru_cache(maxsize=256)
 def _check_spec(spec: GrammarSpec) -> str | None:
     """Why `spec` does not parse, or None; cached, as requests often share a constraint."""
-    xgr = xgrammar()
     if spec.kind == GrammarKind.JSON:
         unsupported = unsupported_json_feature(spec.text)
         if unsupported:
             return f"the schema uses {unsupported}, which xgrammar cannot enforce"
     try:
-        if spec.kind == GrammarKind.JSON:
-            xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
-        elif spec.kind == GrammarKind.REGEX:
-            xgr.Grammar.from_regex(spec.text)
-        elif spec.kind == GrammarKind.EBNF:
-            xgr.Grammar.from_ebnf(spec.text)
-        else:
-            xgr.Grammar.from_lark(spec.text)
+        parse(spec)
     except Exception as e:
         return describe_error(e)
     return None
+
+
+def parse(spec: GrammarSpec) -> Any:
+    """`spec` as an xgrammar `Grammar`; raises xgrammar's error when it does not parse."""
+    grammar = xgrammar().Grammar
+    if spec.kind == GrammarKind.JSON:
+        # disable_any_whitespace: compact JSON, as vLLM asks of xgrammar
+        separators = None if spec.any_whitespace else (",", ":")
+        return grammar.from_json_schema(
+            spec.text, any_whitespace=spec.any_whitespace, separators=separators
+        )
+    if spec.kind == GrammarKind.REGEX:
+        return grammar.from_regex(spec.text)
+    if spec.kind == GrammarKind.EBNF:
+        return grammar.from_ebnf(spec.text)
+    return grammar.from_lark(spec.text)
 
 
 def describe_error(e: BaseException) -> str:
@@ -88,19 +96,8 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`); raises ValueError
         with xgrammar's reason when it does not compile."""
-        c = self._compiler
         try:
-            if spec.kind == GrammarKind.JSON:
-                # disable_any_whitespace: compact JSON, as vLLM asks of xgrammar
-                separators = None if spec.any_whitespace else (",", ":")
-                return c.compile_json_schema(
-                    spec.text, any_whitespace=spec.any_whitespace, separators=separators
-                )
-            if spec.kind == GrammarKind.REGEX:
-                return c.compile_regex(spec.text)
-            if spec.kind == GrammarKind.EBNF:
-                return c.compile_grammar(spec.text)
-            return c.compile_lark(spec.text)
+            return self._compiler.compile_grammar(parse(spec))
         except Exception as e:
             raise ValueError(f"the grammar does not compile: {describe_error(e)}") from None
 
