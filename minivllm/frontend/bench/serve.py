@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import time
+import urllib.request
 from datetime import datetime
 from typing import Any
 
@@ -209,15 +210,11 @@ async def run_once(
         return list(results), time.perf_counter() - start
 
 
-async def _first_model(base_url: str, api_key: str | None) -> str:
-    import aiohttp
-
+def _first_model(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{base_url}/v1/models", headers=headers) as response,
-    ):
-        return (await response.json())["data"][0]["id"]
+    request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
+    with urllib.request.urlopen(request) as response:
+        return json.load(response)["data"][0]["id"]
 
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -229,7 +226,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    model = args.model or uvloop.run(_first_model(base_url, args.api_key))
+    model = args.model or _first_model(base_url, args.api_key)
     workload, temperature = _workload(args, args.tokenizer or args.model)
     print(
         f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "
