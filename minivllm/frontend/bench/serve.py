@@ -27,8 +27,8 @@ from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, 
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
+    random_workload,
     reference_workload,
-    sample_random,
 )
 
 
@@ -73,14 +73,14 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
         max_id = max_token_id(model_dir)
     else:
         print("No --tokenizer directory: prompt ids drawn from 0..10000")
-    workload = sample_random(
+    workload = random_workload(
         args.num_prompts,
         args.random_input_len,
         args.random_output_len,
-        args.random_range_ratio,
-        max_id,
         args.seed,
+        max_id,
         args.random_prefix_len,
+        args.random_range_ratio,
     )
     return workload, args.temperature
 
@@ -90,7 +90,7 @@ def warmups(workload: Workload, n: int) -> Workload:
     than the workload's, so the prefix cache gives the timed run nothing."""
     length = int(np.median([len(p) for p in workload.prompts]))
     max_id = max(max(p) for p in workload.prompts)
-    return sample_random(n, length, 16, max_token_id=max_id, seed=12345)
+    return random_workload(n, length, 16, seed=12345, vocab_limit=max_id)
 
 
 async def _arrivals(n: int, rate: float, burstiness: float, seed: int):
