@@ -41,7 +41,6 @@ from minivllm.frontend.bench.common import (
     model_dir,
     start_llm,
     token_prompts,
-    write_json,
 )
 from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
 from minivllm.frontend.bench.geometry import num_parameters
@@ -334,5 +333,4 @@ def main(args: argparse.Namespace) -> dict:
                 f"mini-vllm / HF = {ratio:.2f}x"
             )
             figures.update(hf.figures("hf_"), ratio_to_hf=ratio)
-    write_json(args.output_json, figures)
     return figures
