@@ -23,30 +23,26 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
     h, d = int(hf["hidden_size"]), config.head_dim
     q, kv = config.num_attention_heads * d, config.num_kv_heads * d
     inter, vocab = int(hf["intermediate_size"]), config.vocab_size
+    layer = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    if variant.qkv_bias:
+        layer.update(
+            {f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+        )
+    if variant.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-        if variant.qkv_bias:
-            shapes.update(
-                {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
-            )
-        if variant.qk_norm:
-            shapes.update(
-                {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-            )
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     shapes["model.norm.weight"] = (h,)
     if not hf.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, h)

@@ -61,10 +61,8 @@ class InputBatch:
         self.token_ids[row, :n] = new.token_ids
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         p = new.sampling_params
-        self.temperature[row] = p.temperature
-        self.top_k[row] = p.top_k
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            getattr(self, name)[row] = getattr(p, name)
         self.seeds[row] = new.sample_seed
         self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         self.num_prompt_tokens[row] = new.num_prompt_tokens

@@ -252,8 +252,7 @@ class LogitsProcessors:
                     bans.append((j, word[-1], word[-2]))
         if not bans:
             return None
-        j, tokens, last = self._up(np.array(bans, dtype=np.int64).T)
-        return j, tokens, last
+        return tuple(self._up(np.array(bans, dtype=np.int64).T))
 
     def _init_penalty_state(self, row: int, token_ids: list[int], num_prompt: int) -> None:
         if self.output_counts is None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.cascade import use_cascade
 from minivllm.worker.attention.metadata import AttentionMetadata, one_prompt_metadata
@@ -150,7 +150,12 @@ class ModelRunner:
             max_conc,
         )
         if self.use_graphs:
-            self._capture_graphs()
+            sched = self.config.scheduler
+            with torch.inference_mode():
+                self.graphs.capture(
+                    self._static_forward, self.buffers.dev, sched.max_num_seqs,
+                    sched.max_num_batched_tokens,
+                )  # fmt: skip
         elif self.device.type == "cuda":
             why = (
                 "enforce_eager"
@@ -163,13 +168,6 @@ class ModelRunner:
             # long prefill steps of a run otherwise cudaMalloc them, which stalls the stream
             self.profile_run()
 
-    @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        sched = self.config.scheduler
-        self.graphs.capture(
-            self._static_forward, self.buffers.dev, sched.max_num_seqs, sched.max_num_batched_tokens
-        )
-
     def _static_forward(
         self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
     ) -> torch.Tensor:
@@ -179,12 +177,6 @@ class ModelRunner:
             d, num_tokens, num_seqs, num_decodes, self.block_size, max_len, cascade
         )
         return self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], self.kv_caches, meta)
-
-    def execute_model(
-        self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
-    ) -> ModelRunnerOutput:
-        """Run one step and wait for its sampled ids."""
-        return self.execute_model_async(so, bitmask).get()
 
     @torch.inference_mode()
     def execute_model_async(

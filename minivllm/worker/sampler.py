@@ -27,13 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.protocol.sampling_params import GREEDY_EPS
 from minivllm.worker.grammar_bitmask import GrammarWait
 from minivllm.worker.input_batch import NO_LOGPROBS, InputBatch
 from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, to_device
 from minivllm.worker.ops.bitmask import apply_token_bitmask
 from minivllm.worker.ops.logprobs import gather_logprobs
-from minivllm.worker.ops.sampling import keep_threshold, sample, sample_shard
+from minivllm.worker.ops.sampling import filtered_scores, sample, sample_shard
 from minivllm.worker.step_buffers import StepBuffers
 
 LogprobsTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, logprobs, ranks
@@ -194,24 +193,12 @@ class Sampler:
         meta: SamplingMetadata,
     ) -> LogprobsTensors:
         mode = self.logprobs_mode
-        scores = logits if mode.startswith("raw") else self._drawn_from(processed, meta)
+        raw = mode.startswith("raw")  # else what the draw saw
+        scores = logits if raw else filtered_scores(processed, meta.temperature, *meta.filters())
         rows = meta.logprobs.rows
         if rows is not None:
             scores, sampled = scores.index_select(0, rows), sampled.index_select(0, rows)
         return gather_logprobs(scores, meta.logprobs.num, sampled, mode.endswith("logprobs"))
-
-    @staticmethod
-    def _drawn_from(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """The logits the draw saw: divided by the temperature (1 for greedy rows), the
-        tokens min-p, top-k and top-p removed at -inf (vLLM's processed logits)."""
-        greedy = meta.temperature < GREEDY_EPS
-        temperature = torch.where(greedy, 1.0, meta.temperature)
-        scores = processed.float() / temperature[:, None]
-        threshold = keep_threshold(processed, meta.temperature, *meta.filters())
-        if threshold is not None:
-            threshold = torch.where(greedy, float("-inf"), threshold)
-            scores = scores.masked_fill(processed < threshold[:, None], float("-inf"))
-        return scores
 
     @staticmethod
     def _sample_vocab_parallel(

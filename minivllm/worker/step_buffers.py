@@ -22,8 +22,6 @@ import torch
 
 _ALIGN = 64  # bytes; every field starts aligned, so typed views of the byte buffer are legal
 
-_NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
-
 
 class StepBuffers:
     def __init__(
@@ -79,7 +77,10 @@ class StepBuffers:
             else self._host[0]
         )
         self._layout = layout
-        self._host_views = [self._views_np(h) for h in self._host]
+        # numpy views of the host buffers: what a step writes with numpy
+        self._host_views = [
+            {name: v.numpy() for name, v in self._views_torch(h).items()} for h in self._host
+        ]
         self.dev = _Views(self._views_torch(self._dev))
         self._current = 0
         self.host = _Views(self._host_views[0])
@@ -90,15 +91,6 @@ class StepBuffers:
             off = self.offsets[name]
             n = int(np.prod(shape)) * dtype.itemsize
             views[name] = buf[off : off + n].view(dtype).view(shape)
-        return views
-
-    def _views_np(self, buf: torch.Tensor) -> dict[str, np.ndarray]:
-        arr = buf.numpy()
-        views = {}
-        for name, dtype, shape in self._layout:
-            off = self.offsets[name]
-            n = int(np.prod(shape)) * dtype.itemsize
-            views[name] = arr[off : off + n].view(_NP[dtype]).reshape(shape)
         return views
 
     def next_host(self) -> _Views:

@@ -62,7 +62,7 @@ class Worker:
     ) -> ModelRunnerOutput | None:
         """Run one step and wait for it (the in-process executor). `bitmask` gives the
         step's grammar bitmask, if it has structured outputs."""
-        output = self.model_runner.execute_model(scheduler_output, bitmask)
+        output = self.model_runner.execute_model_async(scheduler_output, bitmask).get()
         return output if self.rank == 0 else None
 
     def execute_model_async(

@@ -17,7 +17,7 @@ rule that decides per step.
 
 from __future__ import annotations
 
-from minivllm.worker.attention.tiles import attend_tile, store_part
+from minivllm.worker.attention.tiles import MIN_PROGRAMS, attend_tile, store_part
 from minivllm.worker.ops._triton import tl, triton, wait_for_producers
 from minivllm.worker.ops.kv_cache import load_kv_scales
 
@@ -34,11 +34,11 @@ def use_cascade(num_decodes: int, prefix_len: int) -> bool:
     return prefix_len >= MIN_PREFIX_TOKENS and (num_decodes - 1) * prefix_len >= MIN_SAVED_TOKENS
 
 
-def num_prefix_splits(num_tiles: int, num_kv_heads: int, min_programs: int = 256) -> int:
+def num_prefix_splits(num_tiles: int, num_kv_heads: int) -> int:
     """Key-range splits of the prefix per (kv head, query tile): enough programs to fill an
     H100 whatever the prefix length turns out to be at replay (a power of two, <= 16)."""
     work = num_tiles * num_kv_heads
-    wanted = max(1, min(16, -(-min_programs // work)))
+    wanted = max(1, min(16, -(-MIN_PROGRAMS // work)))
     return 1 << (wanted.bit_length() - 1)
 
 

@@ -8,6 +8,7 @@ reference); forcing flash-attn where it cannot run is an error, not a silent fal
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -18,7 +19,14 @@ from minivllm.worker.attention.flash_attention import flash_attn_unsupported_rea
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS = ("flash-attn", "triton", "cpu", "torch")
+# name -> (module in this package, class); imported lazily: triton and flash-attn are
+# optional and slow to import
+_BACKENDS = {
+    "flash-attn": ("flash_attention", "FlashAttentionBackend"),
+    "triton": ("triton_attention", "TritonAttentionBackend"),
+    "cpu": ("cpu_attention", "CpuAttentionBackend"),
+    "torch": ("torch_attention", "TorchAttentionBackend"),
+}
 
 
 def get_attention_backend(
@@ -28,7 +36,9 @@ def get_attention_backend(
     name = envs.attention_backend()
     if name:
         if name not in _BACKENDS:
-            raise ValueError(f"MINIVLLM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {name!r}")
+            raise ValueError(
+                f"MINIVLLM_ATTENTION_BACKEND must be one of {tuple(_BACKENDS)}, got {name!r}"
+            )
         why = "set by MINIVLLM_ATTENTION_BACKEND"
         if name == "flash-attn":
             if device_type != "cuda":
@@ -43,23 +53,5 @@ def get_attention_backend(
         problem = flash_attn_unsupported_reason(block_size, head_dim, dtype)
         name, why = ("triton", problem) if problem else ("flash-attn", "flash-attn supports it")
     logger.info("attention backend: %s; %s", name, why)
-    return name, _make_backend(name)
-
-
-def _make_backend(name: str) -> AttentionBackend:
-    # imported lazily: triton and flash-attn are optional and slow to import
-    if name == "flash-attn":
-        from minivllm.worker.attention.flash_attention import FlashAttentionBackend
-
-        return FlashAttentionBackend()
-    if name == "triton":
-        from minivllm.worker.attention.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if name == "cpu":
-        from minivllm.worker.attention.cpu_attention import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    from minivllm.worker.attention.torch_attention import TorchAttentionBackend
-
-    return TorchAttentionBackend()
+    module, cls = _BACKENDS[name]
+    return name, getattr(importlib.import_module(f"{__package__}.{module}"), cls)()

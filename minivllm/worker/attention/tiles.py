@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from minivllm.worker.ops._triton import tl, triton
 
+MIN_PROGRAMS = 256  # programs the split-KV grids aim for: enough to fill an H100
+
 
 @triton.jit
 def attend_tile(

@@ -34,7 +34,7 @@ import torch
 
 from minivllm.worker.attention.cascade import _cascade_prefix_kernel, num_prefix_splits
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.tiles import attend_tile, store_part
+from minivllm.worker.attention.tiles import MIN_PROGRAMS, attend_tile, store_part
 from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_for_producers
 from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, store_kv_cache
 
@@ -200,30 +200,28 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-def num_decode_splits(
-    num_decodes: int, num_kv_heads: int, max_splits: int = 16, min_programs: int = 256
-) -> int:
-    """Key-range splits per decode (sequence, kv head): enough programs to fill an H100.
+def num_decode_splits(num_decodes: int, num_kv_heads: int) -> int:
+    """Key-range splits per decode (sequence, kv head): enough programs to fill an H100
+    (MIN_PROGRAMS), at most 16.
 
     Depends only on the padded batch size and the model, so a captured graph keeps it. A
     power of two, so only five kernel variants exist and all are compiled while the decode
     graphs are captured, never in the middle of a run.
     """
     work = num_decodes * num_kv_heads
-    if work >= min_programs:
+    if work >= MIN_PROGRAMS:
         return 1
-    wanted = max(1, min(max_splits, -(-2 * min_programs // work)))
+    wanted = max(1, min(16, -(-2 * MIN_PROGRAMS // work)))
     return 1 << (wanted.bit_length() - 1)
 
 
 class TritonAttentionBackend:
     """Paged attention on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
 
-    Knobs for benchmarks: `num_splits` forces the decode split count (by default it follows
-    `num_decode_splits` with `max_splits` and `min_programs`); `decode_block_n` and
-    `decode_stages` the decode kernel's key tile and pipeline depth; `prefill_tiles` the
-    prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs;
-    `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a bfloat16 model.
+    Knobs for benchmarks: `num_splits` forces the decode split count (by default
+    `num_decode_splits`); `decode_block_n` and `decode_stages` the decode kernel's key tile
+    and pipeline depth; `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a
+    bfloat16 model.
 
     Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
     paged prefill kernel on an H100 (14 prompts, 7,625 tokens, Qwen3-0.6B heads): 249 µs per
@@ -234,20 +232,14 @@ class TritonAttentionBackend:
 
     def __init__(
         self,
-        max_splits: int = 16,
         num_splits: int | None = None,
-        min_programs: int = 256,
         decode_block_n: int | None = None,
         decode_stages: int | None = None,
-        prefill_tiles: tuple[int, int, int, int] = (64, 64, 4, 2),
         fp8_dot_f16: bool = True,
     ) -> None:
-        self.max_splits = max_splits
         self.num_splits = num_splits
-        self.min_programs = min_programs
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
-        self.prefill_tiles = prefill_tiles
         self.fp8_dot_f16 = fp8_dot_f16
 
     def forward(
@@ -280,7 +272,7 @@ class TritonAttentionBackend:
         if num_prefills:
             # 16-bit tiles fit twice as many keys in shared memory
             wide = q.dtype != torch.float32
-            block_m, block_n, warps, stages = self.prefill_tiles if wide else (32, 32, 4, 2)
+            block_m, block_n, warps, stages = (64, 64, 4, 2) if wide else (32, 32, 4, 2)
             _prefill_kernel[(num_prefills, math.ceil(meta.max_query_len / block_m), num_heads)](
                 q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, out,
                 scales, meta.num_decodes, scale_log2, q.stride(0), q.stride(1),
@@ -316,11 +308,9 @@ class TritonAttentionBackend:
             splits = 1
             prefix_m, prefix_n = (64, 64) if wide else (32, 32)
             prefix_tiles = -(-nd * common["GQA"] // prefix_m)
-            prefix_splits = num_prefix_splits(prefix_tiles, num_kv_heads, self.min_programs)
+            prefix_splits = num_prefix_splits(prefix_tiles, num_kv_heads)
         else:
-            splits = self.num_splits or num_decode_splits(
-                nd, num_kv_heads, self.max_splits, self.min_programs
-            )
+            splits = self.num_splits or num_decode_splits(nd, num_kv_heads)
             prefix_splits = 0
         num_parts = splits + prefix_splits
         part_out = part_lse = out  # unused without splits

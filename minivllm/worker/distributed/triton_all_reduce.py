@@ -157,67 +157,53 @@ class TritonAllReduce:
         self._row_epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
         self._agree(self._check_sum)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """Whether all_reduce takes x: small enough, a dtype it has, 16-byte aligned."""
-        nbytes = x.numel() * x.element_size()
+    def _aligned(self, x: torch.Tensor) -> bool:
+        """x on this device, a dtype the kernels have, contiguous and 16-byte aligned."""
         return (
-            0 < nbytes <= self.max_bytes
-            and nbytes % _VECTOR == 0
-            and x.dtype in DTYPES
+            x.dtype in DTYPES
             and x.device == self.device
             and x.is_contiguous()
             and x.data_ptr() % _VECTOR == 0
         )
 
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether all_reduce takes x: small enough, a dtype it has, 16-byte aligned."""
+        nbytes = x.numel() * x.element_size()
+        return 0 < nbytes <= self.max_bytes and nbytes % _VECTOR == 0 and self._aligned(x)
+
     def fits_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether all_reduce_add_rms_norm takes x [T, H] (and residual, alike): a dtype it
         has, contiguous and 16-byte aligned, at most max_bytes, H a multiple of 16 up to
         MAX_ROW, and each program's rows within its lane."""
-        if x.dim() != 2 or x.dtype not in DTYPES or x.device != self.device:
+        if x.dim() != 2 or not self._aligned(x):
             return False
         rows, cols = x.shape
         row_bytes = cols * x.element_size()
+        residual_alike = residual is None or (
+            (residual.shape, residual.dtype) == (x.shape, x.dtype) and self._aligned(residual)
+        )
         return (
             rows > 0
             and 0 < cols <= MAX_ROW
             and cols % 16 == 0  # norm.py's row stride is then 16-divisible: the same layout
             and rows * row_bytes <= self.max_bytes
             and -(-rows // self.max_blocks) * row_bytes <= self.lane_bytes
-            and x.is_contiguous()
-            and x.data_ptr() % _VECTOR == 0
-            and (
-                residual is None
-                or (
-                    residual.shape == x.shape
-                    and residual.dtype == x.dtype
-                    and residual.device == x.device
-                    and residual.is_contiguous()
-                    and residual.data_ptr() % _VECTOR == 0
-                )
-            )
+            and residual_alike
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, in a new tensor; x is left as it was."""
         out = torch.empty_like(x)
-        nbytes = x.numel() * x.element_size()
+        size = x.element_size()
+        nbytes = x.numel() * size
         grid = (min(-(-nbytes // SLICE_BYTES), self.max_blocks),)
         _one_shot_kernel[grid](
-            x,
-            out,
-            self._data[x.dtype],
-            self._flag_table.data_ptr(),
-            self.buffer.data_ptr(),
-            self._epochs,
-            nbytes // _VECTOR,
-            RANK=self.rank,
-            WORLD=self.world_size,
-            MAX_BLOCKS=self.max_blocks,
-            REGION=self.max_bytes // x.element_size(),
-            SLICE=SLICE_BYTES // x.element_size(),
-            VECTOR=_VECTOR // x.element_size(),
+            x, out, self._data[x.dtype], self._flag_table.data_ptr(), self.buffer.data_ptr(),
+            self._epochs, nbytes // _VECTOR,
+            RANK=self.rank, WORLD=self.world_size, MAX_BLOCKS=self.max_blocks,
+            REGION=self.max_bytes // size, SLICE=SLICE_BYTES // size, VECTOR=_VECTOR // size,
             num_warps=NUM_WARPS,
-        )
+        )  # fmt: skip
         return out
 
     def all_reduce_add_rms_norm(
@@ -234,27 +220,13 @@ class TritonAllReduce:
         size = x.element_size()
         block = next_power_of_2(cols)
         _one_shot_add_rms_norm_kernel[(min(rows, self.max_blocks),)](
-            x,
-            x if residual is None else residual,
-            weight,
-            out,
-            new_residual,
-            self._data[x.dtype],
-            self._flag_table.data_ptr(),
-            self.buffer.data_ptr(),
-            self._row_epochs,
-            rows,
-            cols,
-            eps,
-            RANK=self.rank,
-            WORLD=self.world_size,
-            MAX_BLOCKS=self.max_blocks,
-            LANES=2 * self.max_bytes // size,
-            LANE=self.lane_bytes // size,
-            BLOCK=block,
-            HAS_RESIDUAL=residual is not None,
-            num_warps=norm_warps(block),
-        )
+            x, x if residual is None else residual, weight, out, new_residual,
+            self._data[x.dtype], self._flag_table.data_ptr(), self.buffer.data_ptr(),
+            self._row_epochs, rows, cols, eps,
+            RANK=self.rank, WORLD=self.world_size, MAX_BLOCKS=self.max_blocks,
+            LANES=2 * self.max_bytes // size, LANE=self.lane_bytes // size, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, num_warps=norm_warps(block),
+        )  # fmt: skip
         return out, new_residual
 
     def _zero_flags(self, flag_bytes: int) -> None:

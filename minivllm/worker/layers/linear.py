@@ -24,8 +24,11 @@ def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
+class _SplitLinear(nn.Module):
+    """y = x W^T + b with W [output_size, input_size] split across the ranks along
+    `split_dim` (0: output rows, 1: input columns); each rank loads its slice."""
+
+    split_dim = 0
 
     def __init__(
         self,
@@ -37,22 +40,23 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.input_size = input_size
-        self.output_size_per_rank = divide(output_size, tp.size)
-        self.weight = _param(
-            self.output_size_per_rank, input_size, dtype=params_dtype, loader=self.weight_loader
-        )
-        self.bias = (
-            _param(self.output_size_per_rank, dtype=params_dtype, loader=self.weight_loader)
-            if bias
-            else None
-        )
+        shape = [output_size, input_size]
+        shape[self.split_dim] = divide(shape[self.split_dim], tp.size)
+        self.weight = _param(*shape, dtype=params_dtype, loader=self.weight_loader)
+        # output rows split: so is the bias; input columns split: every rank holds all of the
+        # bias, added once (by rank 0)
+        bias_loader = self.weight_loader if self.split_dim == 0 else default_weight_loader
+        self.bias = _param(shape[0], dtype=params_dtype, loader=bias_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not stacked, got shard_id {shard_id!r}")
-        rows = param.shape[0]
-        copy_checked(param.data, narrow(loaded, 0, self.tp.rank * rows, rows))
+        n = param.shape[self.split_dim]
+        copy_checked(param.data, narrow(loaded, self.split_dim, self.tp.rank * n, n))
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -80,8 +84,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         sizes = [divide(s, self.tp.size) for s in self.output_sizes]
         offset, rows = sum(sizes[:shard_id]), sizes[shard_id]
-        dst = param.data.narrow(0, offset, rows)
-        copy_checked(dst, narrow(loaded, 0, self.tp.rank * rows, rows))
+        copy_checked(
+            param.data.narrow(0, offset, rows), narrow(loaded, 0, self.tp.rank * rows, rows)
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -129,40 +134,16 @@ class QKVParallelLinear(ColumnParallelLinear):
             rows, src_rank = self.kv_size, self.tp.rank // self.num_kv_replicas
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        dst = param.data.narrow(0, offset, rows)
-        copy_checked(dst, narrow(loaded, 0, src_rank * rows, rows))
+        copy_checked(param.data.narrow(0, offset, rows), narrow(loaded, 0, src_rank * rows, rows))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
     output of a column-parallel layer). With TP the result is this rank's partial product
     (rank 0's carrying the bias), a `PartialSum` that its consumer sums over the ranks: the
     next RMSNorm, in the same kernel as its residual add and norm."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        tp: TPGroup,
-        bias: bool = False,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.input_size_per_rank = divide(input_size, tp.size)
-        self.weight = _param(
-            output_size, self.input_size_per_rank, dtype=params_dtype, loader=self.weight_loader
-        )
-        # the bias is replicated: every rank holds all of it, added once (by rank 0)
-        self.bias = (
-            _param(output_size, dtype=params_dtype, loader=default_weight_loader) if bias else None
-        )
-
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"RowParallelLinear is not stacked, got shard_id {shard_id!r}")
-        cols = param.shape[1]
-        copy_checked(param.data, narrow(loaded, 1, self.tp.rank * cols, cols))
+    split_dim = 1
 
     def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor | PartialSum:
         y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)

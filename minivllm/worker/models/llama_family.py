@@ -80,10 +80,8 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, backend, scale=head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (-1, self.head_dim))
-        k = k.unflatten(-1, (-1, self.head_dim))
-        v = v.unflatten(-1, (-1, self.head_dim))
+        qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
@@ -111,20 +109,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self,
-        config: ModelConfig,
-        variant: DecoderVariant,
-        layer_idx: int,
-        tp: TPGroup,
-        backend: AttentionBackend,
-        params_dtype: torch.dtype,
-        rotary_emb: RotaryEmbedding,
+        self, config: ModelConfig, tp: TPGroup, params_dtype: torch.dtype, self_attn: Attention
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
-        self.self_attn = Attention(
-            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
-        )
+        self.self_attn = self_attn
         self.mlp = MLP(config, tp, params_dtype)
         self.input_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
@@ -155,10 +144,11 @@ class DecoderModel(nn.Module):
         hidden = int(config.hf_config["hidden_size"])
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb)
-            for i in range(config.num_layers)
-        )
+        layers = []
+        for i in range(config.num_layers):
+            attn = Attention(config, variant, i, tp, backend, params_dtype, rotary_emb)
+            layers.append(DecoderLayer(config, tp, params_dtype, attn))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

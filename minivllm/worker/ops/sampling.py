@@ -205,7 +205,6 @@ def _sample_chunks(
     positions: torch.Tensor,
     vocab_start: int,
     vocab_end: int,
-    fast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel over ~1024 programs: per row and vocabulary chunk, the best score and its
     global index ([N, chunks] each)."""
@@ -220,7 +219,7 @@ def _sample_chunks(
     _sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), temperature, temperature if threshold is None else threshold,
         seeds, positions, part_val, part_idx, vocab_start, vocab_end, tiles_per_chunk, chunks,
-        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=fast and not interpreting(),
+        QUARTER=_QUARTER, HAS_THRESHOLD=threshold is not None, FAST=not interpreting(),
         num_warps=8, **pdl(logits),
     )  # fmt: skip
     return part_val, part_idx
@@ -242,10 +241,8 @@ def sample_reference(
     is_random = temperature >= GREEDY_EPS
     if not bool(is_random.any()):
         return greedy_ids
-    scores = _gumbel_scores(logits, temperature, seeds, positions, 0)
-    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
-    if threshold is not None:
-        scores = scores.masked_fill(logits.float() < threshold[:, None], float("-inf"))
+    scores = filtered_scores(logits, temperature, top_k, top_p, min_p)
+    scores += gumbel_noise(seeds, positions, 0, logits.shape[-1])
     return torch.where(is_random, argmax_rows(scores), greedy_ids)
 
 
@@ -261,23 +258,30 @@ def sample_shard_reference(
     `sample_reference` draws for it, so the ranks' best agree with the whole row's draw."""
     logits = logits[:, : vocab_end - vocab_start]
     greedy = (temperature < GREEDY_EPS)[:, None]
-    scores = _gumbel_scores(logits, temperature, seeds, positions, vocab_start)
-    scores = torch.where(greedy, logits.float(), scores)
+    scores = filtered_scores(logits, temperature, None, None, None)
+    noise = gumbel_noise(seeds, positions, vocab_start, logits.shape[-1])
+    scores = torch.where(greedy, scores, scores + noise)
     best = argmax_rows(scores)[:, None]
     return scores.gather(1, best).squeeze(1), best.squeeze(1) + vocab_start
 
 
-def _gumbel_scores(
+def filtered_scores(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    vocab_start: int,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
 ) -> torch.Tensor:
-    """logits / T + Gumbel noise, float32 [N, V]; column i holds global index vocab_start + i."""
-    t = torch.where(temperature >= GREEDY_EPS, temperature, torch.ones_like(temperature))
-    noise = gumbel_noise(seeds, positions, vocab_start, logits.shape[-1])
-    return logits.float() / t[:, None] + noise
+    """What a random draw picks from, float32 [N, V] (vLLM's processed logits): the logits
+    divided by the temperature (1 for greedy rows), the tokens min-p, top-k and top-p remove
+    at -inf (none on greedy rows)."""
+    greedy = temperature < GREEDY_EPS
+    scores = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    threshold = keep_threshold(logits, temperature, top_k, top_p, min_p)
+    if threshold is not None:
+        threshold = torch.where(greedy, float("-inf"), threshold)
+        scores = scores.masked_fill(logits < threshold[:, None], float("-inf"))
+    return scores
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
