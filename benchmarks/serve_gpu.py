@@ -91,7 +91,7 @@ def main() -> None:
     from minivllm.frontend.bench import serve as bench_serve
     from minivllm.frontend.bench.common import max_token_id
     from minivllm.frontend.bench.geometry import write_geometry
-    from minivllm.frontend.bench.workloads import sample_random
+    from minivllm.frontend.bench.workloads import random_workload
     from minivllm.frontend.server.launch import ServerProcess
 
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -101,12 +101,12 @@ def main() -> None:
             model=model, load_format="dummy", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
         )
         seed = 7  # the TTFT prompts: bench serve's random dataset with this seed
-        ttft_workload = sample_random(  # the same draw as bench serve's in step 4
+        ttft_workload = random_workload(  # the same draw as bench serve's in step 4
             args.ttft_prompts,
             args.ttft_input_len,
             args.ttft_output_len,
-            max_token_id=max_token_id(model),
             seed=seed,
+            vocab_limit=max_token_id(model),
         )
         ttft_prompts = ttft_workload.prompts
         warm = bench_serve.warmups(ttft_workload, NUM_WARMUPS).prompts

@@ -1,11 +1,16 @@
 """`minivllm bench ...`: benchmarks whose output reads like vLLM's. Each command is a module
 of this package: its docstring is the command's description, `add_arguments(parser)` (if
-any) adds its flags and `main(args)` runs it."""
+any) adds its flags and `main(args)` runs it and returns its figures, which --output-json
+(where a command has it) writes as JSON."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import json
+from collections.abc import Callable
+from typing import Any
 
 COMMANDS = {  # name (its module: the name with "_" for "-"): help
     "throughput": "offline throughput (vLLM's `bench throughput`)",
@@ -36,4 +41,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         )
         if hasattr(module, "add_arguments"):
             module.add_arguments(cmd)
-        cmd.set_defaults(func=module.main)
+        cmd.set_defaults(func=functools.partial(_run, module.main))
+
+
+def _run(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
+    figures = main(args)
+    if getattr(args, "output_json", None):
+        with open(args.output_json, "w") as f:
+            json.dump(figures, f, indent=2)

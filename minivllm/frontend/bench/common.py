@@ -34,7 +34,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
-    """--geometry, EngineArgs' flags (--model optional) and --output-json (`write_json`)."""
+    """--geometry, EngineArgs' flags (--model optional) and --output-json."""
     add_model_args(parser)
     add_engine_args(parser, model_required=False)
     if output_json:
@@ -77,13 +77,6 @@ def start_llm(
     llm = LLM(**dataclasses.asdict(bench_engine_args(args, model, geometry, **overrides)))
     freeze_startup_heap()  # the bench command's own process
     return llm
-
-
-def write_json(path: str | None, figures: Any) -> None:
-    """The figures as JSON at `path` (--output-json), if one was given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(figures, f, indent=2)
 
 
 def max_token_id(model: str) -> int:

@@ -19,6 +19,7 @@ _QWEN3_COMMON: dict[str, Any] = {
     "hidden_act": "silu",
     "attention_bias": False,
     "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
@@ -30,7 +31,6 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "hidden_size": 1024,
         "num_attention_heads": 16,
         "intermediate_size": 3072,
-        "tie_word_embeddings": True,
     },
     "qwen3-8b": {
         **_QWEN3_COMMON,
@@ -51,7 +51,6 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "head_dim": 32,
         "intermediate_size": 384,
-        "tie_word_embeddings": True,
         "vocab_size": 10240,  # covers the reference prompts' ids (0..10000)
         "bos_token_id": 1,
         "eos_token_id": 2,

@@ -26,7 +26,6 @@ from minivllm.frontend.bench.common import (
     bench_engine_args,
     max_token_id,
     model_dir,
-    write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
@@ -154,5 +153,4 @@ def main(args: argparse.Namespace) -> dict:
         figures[what] = {
             k: getattr(agreement, k) for k in ("positions", "top1", "mean_kl", "max_kl")
         }
-    write_json(args.output_json, figures)
     return figures

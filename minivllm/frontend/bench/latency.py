@@ -20,7 +20,6 @@ from minivllm.frontend.bench.common import (
     model_dir,
     start_llm,
     token_prompts,
-    write_json,
 )
 from minivllm.frontend.bench.workloads import random_workload
 from minivllm.protocol.sampling_params import SamplingParams
@@ -88,5 +87,4 @@ def main(args: argparse.Namespace) -> dict:
         "tpot_s": tpot,
         "device": config.device.device,
     }
-    write_json(args.output_json, figures)
     return figures

@@ -27,7 +27,6 @@ from typing import Any
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.async_llm import AsyncLLM
-from minivllm.frontend.bench.common import write_json
 from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
 from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
@@ -202,5 +201,4 @@ def main(args: argparse.Namespace) -> dict:
             sync = run_sync(engine_args, args)
             _report("LLM.generate (sync)", sync)
             figures.update(sync.figures("sync"))
-    write_json(args.output_json, figures)
     return figures

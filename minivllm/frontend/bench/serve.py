@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import time
+import urllib.request
 from datetime import datetime
 from typing import Any
 
@@ -26,8 +27,8 @@ from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, 
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
+    random_workload,
     reference_workload,
-    sample_random,
 )
 
 
@@ -72,14 +73,14 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
         max_id = max_token_id(model_dir)
     else:
         print("No --tokenizer directory: prompt ids drawn from 0..10000")
-    workload = sample_random(
+    workload = random_workload(
         args.num_prompts,
         args.random_input_len,
         args.random_output_len,
-        args.random_range_ratio,
-        max_id,
         args.seed,
+        max_id,
         args.random_prefix_len,
+        args.random_range_ratio,
     )
     return workload, args.temperature
 
@@ -89,7 +90,7 @@ def warmups(workload: Workload, n: int) -> Workload:
     than the workload's, so the prefix cache gives the timed run nothing."""
     length = int(np.median([len(p) for p in workload.prompts]))
     max_id = max(max(p) for p in workload.prompts)
-    return sample_random(n, length, 16, max_token_id=max_id, seed=12345)
+    return random_workload(n, length, 16, seed=12345, vocab_limit=max_id)
 
 
 async def _arrivals(n: int, rate: float, burstiness: float, seed: int):
@@ -209,15 +210,11 @@ async def run_once(
         return list(results), time.perf_counter() - start
 
 
-async def _first_model(base_url: str, api_key: str | None) -> str:
-    import aiohttp
-
+def _first_model(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{base_url}/v1/models", headers=headers) as response,
-    ):
-        return (await response.json())["data"][0]["id"]
+    request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
+    with urllib.request.urlopen(request) as response:
+        return json.load(response)["data"][0]["id"]
 
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -229,7 +226,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    model = args.model or uvloop.run(_first_model(base_url, args.api_key))
+    model = args.model or _first_model(base_url, args.api_key)
     workload, temperature = _workload(args, args.tokenizer or args.model)
     print(
         f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "

@@ -41,7 +41,6 @@ from minivllm.frontend.bench.common import (
     model_dir,
     start_llm,
     token_prompts,
-    write_json,
 )
 from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
 from minivllm.frontend.bench.geometry import num_parameters
@@ -53,8 +52,6 @@ from minivllm.frontend.bench.workloads import (
 )
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -187,11 +184,10 @@ def print_vllm_lines(r: RunResult) -> None:
 def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict:
     """Measure the device copy bandwidth now and compare the run with the traffic floors of
     a 16-bit and an FP8 KV cache (the one this run used first)."""
-    hf_config, dtype = config.model.hf_config, config.model.dtype
-    heads = int(hf_config["num_attention_heads"])
+    model, dtype_bytes = config.model, getattr(torch, config.model.dtype).itemsize
     bandwidth = measure_copy_bandwidth()
     print(f"Device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
-    kv_kinds = [(dtype, _DTYPE_BYTES[dtype]), ("fp8", 1)]
+    kv_kinds = [(model.dtype, dtype_bytes), ("fp8", 1)]
     if config.cache.kv_cache_dtype != "auto":
         kv_kinds.reverse()
     figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
@@ -199,10 +195,10 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
         floor = memory_floor(
             [len(p) for p in workload.prompts],
             workload.output_lens,
-            num_layers=int(hf_config["num_hidden_layers"]),
-            num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
-            head_dim=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads),
-            param_bytes=num_parameters(hf_config) * _DTYPE_BYTES[dtype],
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            param_bytes=num_parameters(model.hf_config) * dtype_bytes,
             kv_dtype_bytes=elem,
         )
         floor_s = floor.seconds(bandwidth)
@@ -337,5 +333,4 @@ def main(args: argparse.Namespace) -> dict:
                 f"mini-vllm / HF = {ratio:.2f}x"
             )
             figures.update(hf.figures("hf_"), ratio_to_hf=ratio)
-    write_json(args.output_json, figures)
     return figures

@@ -1,13 +1,10 @@
-"""Benchmark workloads as token ids: the reference workload, vLLM-style fixed shapes and
-vLLM's random dataset."""
+"""Benchmark workloads as token ids: the reference workload and vLLM's random dataset."""
 
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
-
-import numpy as np
 
 # The reference workload (nano-vllm's offline bench); a change to the draw
 # order or ranges changes these totals, so they are checked whenever the workload is built.
@@ -67,50 +64,31 @@ def random_workload(
     seed: int = 0,
     vocab_limit: int = 10000,
     prefix_len: int = 0,
-) -> Workload:
-    """vLLM's `--dataset-name random` at range ratio 0: fixed input and output lengths; with
-    `prefix_len`, every prompt starts with the same `prefix_len` random tokens (a shared
-    system prompt) before its own `input_len`."""
-    if min(num_prompts, input_len, output_len) < 1 or prefix_len < 0:
-        raise ValueError("num_prompts, input_len and output_len must be positive")
-    rng = random.Random(seed)
-    prefix = [rng.randint(0, vocab_limit) for _ in range(prefix_len)]
-    prompts = [
-        prefix + [rng.randint(0, vocab_limit) for _ in range(input_len)] for _ in range(num_prompts)
-    ]
-    shared = f"{prefix_len} shared + " if prefix_len else ""
-    name = f"random {num_prompts}x({shared}{input_len} in, {output_len} out)"
-    return Workload(name, prompts, [output_len] * num_prompts)
-
-
-def sample_random(
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
     range_ratio: float = 0.0,
-    max_token_id: int = 10000,
-    seed: int = 0,
-    prefix_len: int = 0,
 ) -> Workload:
-    """`--dataset-name random` of `bench serve`, as vLLM samples it: per request an input and
-    an output length drawn uniformly from [len * (1 - r), len * (1 + r)] (r = range_ratio, 0
-    gives fixed lengths) with numpy's generator seeded by `seed`, and input tokens drawn at
-    random from the vocabulary; each prompt starts with the same `prefix_len` random ids (a
-    shared prefix for the prefix cache) followed by its own. Prompts travel as token ids, so
-    their lengths are exact and no tokenizer is needed on the client."""
-    if min(num_prompts, input_len, output_len) < 1:
+    """vLLM's `--dataset-name random`: per request an input and an output length drawn
+    uniformly from [len * (1 - r), len * (1 + r)] (r = range_ratio; 0 gives fixed lengths and
+    draws nothing for them) and input ids drawn from 0..vocab_limit; with `prefix_len`, every
+    prompt starts with the same `prefix_len` random ids (a shared system prompt for the prefix
+    cache) before its own. Prompts travel as token ids: their lengths are exact and a client
+    needs no tokenizer."""
+    if min(num_prompts, input_len, output_len) < 1 or prefix_len < 0:
         raise ValueError("num_prompts, input_len and output_len must be positive")
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
 
-    def lengths(mean: int) -> np.ndarray:
+    def lengths(mean: int) -> list[int]:
+        if not range_ratio:
+            return [mean] * num_prompts
         low = max(1, math.floor(mean * (1 - range_ratio)))
         high = math.ceil(mean * (1 + range_ratio))
-        return rng.integers(low, high + 1, size=num_prompts)
+        return [rng.randint(low, high) for _ in range(num_prompts)]
 
     input_lens, output_lens = lengths(input_len), lengths(output_len)
-    prefix = rng.integers(0, max_token_id + 1, size=prefix_len).tolist()
-    prompts = [prefix + rng.integers(0, max_token_id + 1, size=int(n)).tolist() for n in input_lens]
-    name = f"random {num_prompts}x({input_len} in, {output_len} out, range ratio {range_ratio})"
-    return Workload(name, prompts, [int(n) for n in output_lens])
+    prefix = [rng.randint(0, vocab_limit) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randint(0, vocab_limit) for _ in range(n)] for n in input_lens]
+    shared = f"{prefix_len} shared + " if prefix_len else ""
+    ratio = f", range ratio {range_ratio}" if range_ratio else ""
+    name = f"random {num_prompts}x({shared}{input_len} in, {output_len} out{ratio})"
+    return Workload(name, prompts, output_lens)

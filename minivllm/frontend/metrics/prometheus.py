@@ -94,12 +94,12 @@ class PrometheusStatLogger:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, list(labels), registry=registry).labels(**labels)
 
-        def by_label(
-            kind: type[M], name: str, doc: str, label: str, values: Sequence[str]
-        ) -> dict[str, M]:
-            """A gauge or counter with one more label: its child per value, by value."""
-            family = kind(name, doc, [*labels, label], registry=registry)
-            return {v: family.labels(**labels, **{label: v}) for v in values}
+        def by_label(kind: type[M], name: str, doc: str, **label: Sequence[str]) -> dict[str, M]:
+            """A gauge or counter with one more label (`label=its values`): its child per
+            value, by value."""
+            ((key, values),) = label.items()
+            family = kind(name, doc, [*labels, key], registry=registry)
+            return {v: family.labels(**labels, **{key: v}) for v in values}
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets, registry)
@@ -133,30 +133,26 @@ class PrometheusStatLogger:
             Gauge,
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason.",
-            "reason",
-            ("capacity", "deferred"),
+            reason=("capacity", "deferred"),
         )
         self.prompt_tokens_cached_by_source = by_label(
             Counter,
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them.",
-            "source",
-            ("device",),
+            source=("device",),
         )
         sleep_state = by_label(
             Gauge,
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 1 means the engine is awake.",
-            "sleep_state",
-            ("awake", "weights_offloaded", "discard_all"),
+            sleep_state=("awake", "weights_offloaded", "discard_all"),
         )
         sleep_state["awake"].set(1)
         self.prompt_tokens_by_source = by_label(
             Counter,
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
-            "source",
-            PROMPT_TOKEN_SOURCES,
+            source=PROMPT_TOKEN_SOURCES,
         )
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -165,8 +161,7 @@ class PrometheusStatLogger:
             Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
-            "finished_reason",
-            FINISH_REASONS,
+            finished_reason=FINISH_REASONS,
         )
         tokens = request_tokens_buckets(max_model_len)
         self.iteration_tokens = histogram(

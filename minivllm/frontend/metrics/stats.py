@@ -209,18 +209,11 @@ class StatsCollector:
 
     def _scheduler_update(self, stats: SchedulerStats) -> SchedulerUpdate:
         last, self._last_cumulative = self._last_cumulative, stats
+        increases = []
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+            before, now = getattr(last, name), getattr(stats, name)
+            # a cumulative counter that went down was reset (a restarted daemon): from zero
+            increases.append(now - before if now >= before else now)
         return SchedulerUpdate(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage,
-            new_prefix_cache_queries=_increase(
-                last.prefix_cache_queries, stats.prefix_cache_queries
-            ),
-            new_prefix_cache_hits=_increase(last.prefix_cache_hits, stats.prefix_cache_hits),
-            new_preemptions=_increase(last.num_preemptions, stats.num_preemptions),
+            stats.num_running, stats.num_waiting, stats.kv_cache_usage, *increases
         )
-
-
-def _increase(last: int, now: int) -> int:
-    # a cumulative counter that went down was reset (a restarted daemon): count from zero
-    return now - last if now >= last else now

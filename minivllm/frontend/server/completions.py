@@ -93,8 +93,6 @@ class _CompletionView(StreamView):
         super().__init__(request_id, model, num_prompt_tokens, request.stream_options)
         self.state = state
         self.request = request
-        self.n = request.n
-        self.num_top = request.logprobs
         self.prompts = prompts
         self.text_len: dict[int, int] = {}  # text streamed so far, per choice
 
@@ -109,19 +107,19 @@ class _CompletionView(StreamView):
         request = self.request
         text, token_ids = c.text, c.token_ids
         logprobs = None
-        if self.num_top is not None:
+        if request.logprobs is not None:
             steps = c.logprobs or [None] * len(token_ids)
             if request.echo and first:
                 prompt_ids = self.prompts[i][1]
                 prompt_steps = out.prompt_logprobs or [None] * len(prompt_ids)
                 token_ids, steps = prompt_ids + token_ids, list(prompt_steps) + list(steps)
             logprobs = completion_logprobs(
-                token_ids, steps, self.num_top, text_offset, self.state.decode_token
+                token_ids, steps, request.logprobs, text_offset, self.state.decode_token
             )
         if request.echo and first:
             text = self._prompt_text(i) + text
         choice = CompletionChoice(
-            index=i * self.n + c.index,
+            index=i * request.n + c.index,
             text=text,
             logprobs=logprobs,
             finish_reason=c.finish_reason,
@@ -152,7 +150,7 @@ class _CompletionView(StreamView):
         """A DELTA output -> one chunk per completion delta in it."""
         chunks = []
         for c in out.outputs:
-            index = i * self.n + c.index
+            index = i * self.request.n + c.index
             offset = self.text_len.get(index)
             choice = self._choice(i, out, c, offset or 0, offset is None)
             self.text_len[index] = (offset or 0) + len(choice.text)

@@ -22,17 +22,6 @@ _TYPES = {
 }
 
 
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
 class OpenAIError(Exception):
     """An error to answer with: its status code, message and the parameter at fault."""
 
@@ -45,10 +34,13 @@ class OpenAIError(Exception):
         self.param = param
 
     def body(self) -> bytes:
-        info = ErrorInfo(
-            self.message, _TYPES.get(self.status, self.status.phrase), self.param, self.status.value
-        )
-        return msgspec.json.encode(ErrorResponse(info))
+        error = {
+            "message": self.message,
+            "type": _TYPES.get(self.status, self.status.phrase),
+            "param": self.param,
+            "code": self.status.value,
+        }
+        return msgspec.json.encode({"error": error})
 
 
 _JSON_PATH = re.compile(r"at `\$\.(\w+)")

@@ -6,6 +6,7 @@ before starting the engine, so nothing probes for a free port and races to bind 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 
 
-class ServerProcess:
+class ServerProcess(contextlib.AbstractContextManager):
     """`python -m minivllm.frontend.cli serve ARGS --port 0`; `url` is where it listens.
     Its stderr goes to `log_path` (or is discarded)."""
 
@@ -76,9 +77,6 @@ class ServerProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return self.proc.returncode
-
-    def __enter__(self) -> ServerProcess:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -49,8 +49,7 @@ def chat_sampling_params(request: ChatCompletionRequest, stream: bool) -> Sampli
 
 
 def _common(request: SamplingFields) -> dict[str, Any]:
-    values = {name: getattr(request, name) for name in _PASSED}
-    values = {name: value for name, value in values.items() if value is not None}
+    values = {name: v for name in _PASSED if (v := getattr(request, name)) is not None}
     if request.stop is not None:
         values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if request.logit_bias:
