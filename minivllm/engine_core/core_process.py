@@ -10,6 +10,7 @@ input queue only when it has no work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -27,6 +28,7 @@ import zmq
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
+from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import auth, transport
 from minivllm.protocol.auth import CurveServerKeys
@@ -292,38 +294,79 @@ def run_engine_core(
     death_pipe: Connection | None = None,
     daemon: bool = False,
     curve: CurveServerKeys | None = None,
+    run_dir: str | None = None,
 ) -> None:
-    """Process entry point. A spawned engine-core dies with its frontend; a daemon does not.
-    With `curve`, only clients holding authorized keys get through (see protocol/auth.py)."""
+    """Process entry point. A spawned engine-core stops on SIGTERM, which its frontend sends
+    (or the kernel, when the frontend dies), and ignores SIGINT: its frontend decides what a
+    Ctrl-C means. A daemon stops on either. `run_dir`: a directory to remove at exit (the
+    spawner's, holding the sockets: a spawner killed by SIGKILL cannot remove it). With
+    `curve`, only clients holding authorized keys get through (see protocol/auth.py)."""
     if not daemon:
-        die_with_parent(death_pipe)
-    logging.basicConfig(
-        level=envs.log_level(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+        die_with_parent(death_pipe, signal.SIGTERM)
+    configure_process_logging()
+    try:
+        code = _serve(config, input_address, output_address, ready_pipe, daemon, curve)
+    finally:
+        if run_dir is not None:
+            transport.cleanup_ipc(run_dir)
+    raise SystemExit(code)
+
+
+def _serve(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    ready_pipe: Connection | None,
+    daemon: bool,
+    curve: CurveServerKeys | None,
+) -> int:
+    """Start the engine-core and run it until it stops; the process's exit code."""
     proc: EngineCoreProc | None = None
+    stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
+        stopped_by.append(signum)
         if proc is not None:
             proc.stop_reason = f"engine-core stopped by {signal.Signals(signum).name}"
-        else:
-            raise SystemExit(128 + signum)
+        elif len(stopped_by) == 1:  # only the first one interrupts the start-up
+            raise _Interrupted(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGINT, on_signal if daemon else signal.SIG_IGN)
     try:
         proc = EngineCoreProc(config, input_address, output_address, curve)
     except BaseException as e:
-        cause = "".join(traceback.format_exception_only(type(e), e)).strip()
-        error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
-        logger.error("%s\n%s", error, traceback.format_exc())
-        if ready_pipe is not None:
-            ready_pipe.send_bytes(msgspec.msgpack.encode(EngineCoreInfo(error=error)))
-        raise SystemExit(1) from None
-    if ready_pipe is not None:
-        ready_pipe.send_bytes(msgspec.msgpack.encode(proc.info()))
-        ready_pipe.close()
+        if stopped_by:
+            error = f"engine-core stopped by {signal.Signals(stopped_by[0]).name} while starting"
+            logger.info("%s", error)
+        else:
+            cause = "".join(traceback.format_exception_only(type(e), e)).strip()
+            error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
+            logger.error("%s\n%s", error, traceback.format_exc())
+        _report_ready(ready_pipe, EngineCoreInfo(error=error))
+        return 128 + stopped_by[0] if stopped_by else 1
+    _report_ready(ready_pipe, proc.info())
     logger.info(
         "engine-core listening on %s (outputs on %s)", proc.input_address, proc.output_address
     )
-    raise SystemExit(proc.run())
+    code = proc.run()
+    if stopped_by:
+        # a daemon's operator wants to hear it; a spawned one's frontend asked for it
+        logger.log(logging.INFO if daemon else logging.DEBUG, "%s", proc.stop_reason)
+        if stopped_by[0] == signal.SIGINT:
+            return 128 + signal.SIGINT
+    return code
+
+
+class _Interrupted(BaseException):
+    """A stopping signal while the engine-core starts: unwinds the start-up (which stops
+    the workers already started) without a traceback."""
+
+
+def _report_ready(ready_pipe: Connection | None, info: EngineCoreInfo) -> None:
+    """Tell the spawner how the start went; a spawner that is gone hears nothing."""
+    if ready_pipe is None:
+        return
+    with contextlib.suppress(OSError):
+        ready_pipe.send_bytes(msgspec.msgpack.encode(info))
+    ready_pipe.close()
