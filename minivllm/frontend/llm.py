@@ -31,8 +31,8 @@ class LLM:
     @classmethod
     def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLM:
         """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
-        routed over all) instead of starting an engine; `shutdown()` then detaches and
-        leaves the daemons running. `curve`: the keys a daemon on a network address asks for
+        routed over all) instead of starting an engine; `shutdown()` (or leaving `with`, or
+        the end of the script) then detaches and leaves the daemons running. `curve`: the keys a daemon on a network address asks for
         (`CurveClientKeys.load(server_key, secret_key)`)."""
         llm = cls.__new__(cls)
         llm.engine_args = None
@@ -110,12 +110,15 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def shutdown(self) -> None:
+        """Stop the engine (or detach from the daemon). Optional: it also happens when the
+        LLM is garbage-collected, at interpreter exit, and on leaving `with LLM(...) as llm:`."""
         self.llm_engine.shutdown()
 
-    def __del__(self) -> None:
-        engine = getattr(self, "llm_engine", None)
-        if engine is not None:
-            engine.shutdown()
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

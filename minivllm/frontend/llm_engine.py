@@ -10,6 +10,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
@@ -17,17 +18,27 @@ from minivllm.protocol.sampling_params import SamplingParams
 
 class LLMEngine:
     """Tokenizes on the way in, detokenizes on the way out; the engine-core does the rest,
-    in its own process by default (`distributed_executor_backend='uni'` keeps it in this one)."""
+    in its own process by default (`distributed_executor_backend='uni'` keeps it in this one).
+
+    The engine it started stops (an attached daemon is left) on `shutdown()`, when nothing
+    refers to the LLMEngine any more, or at interpreter exit, whichever comes first. A
+    given `client` is owned from here on, also when this constructor fails."""
 
     def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
         self.config = config
         model = config.model
-        self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
-        self.input_processor = InputProcessor(model, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        try:
+            self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
+            self.input_processor = InputProcessor(model, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            if client is not None:
+                client.shutdown()
+            raise
         if client is None and config.parallel.distributed_executor_backend == "uni":
             client = InprocClient(config)
         self.engine_core = client or make_client(config, asynchronous=False)
+        self._release = on_release(self, self.engine_core.shutdown)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -38,7 +49,12 @@ class LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: requests routed over them as with data parallelism)."""
         client = attach_client(address, curve, asynchronous=False)
-        return cls(client.engine_config(), client=client)
+        try:
+            config = client.engine_config()
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(config, client=client)
 
     def add_request(
         self,
@@ -88,4 +104,4 @@ class LLMEngine:
         return self.engine_core.call_utility(UtilityMethod.STATS)
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self._release()
