@@ -101,6 +101,10 @@ class _MPClient:
         return cls(address=address, curve=curve)
 
     def _attach(self, address: str) -> EngineCoreInfo:
+        try:
+            transport.check_ipc_listener(address)
+        except OSError as e:
+            raise EngineStartupError(f"no engine-core at {address}: {e}") from None
         self.input_sock = transport.connect_socket(
             self.ctx, zmq.DEALER, address, identity=self.identity, curve=self.curve
         )
