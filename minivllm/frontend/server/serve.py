@@ -12,9 +12,13 @@ import logging
 import os
 import socket
 import sys
+import traceback
 
 from minivllm import envs
+from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import freeze_startup_heap
+
+logger = logging.getLogger(__name__)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,16 +118,9 @@ def build_state(args: argparse.Namespace):
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from minivllm.frontend.server.app import build_app
-    from minivllm.frontend.server.streaming import with_server_send
-
-    logging.basicConfig(
-        level=envs.log_level(),
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-        datefmt="%m-%d %H:%M:%S",
-    )
+    """Serve until SIGINT or SIGTERM. Whatever fails during the start stops what was
+    started (the engine, once it is up) and exits non-zero with a line naming the cause."""
+    configure_process_logging("api-server")
     # bound before anything starts, so a port in use fails fast and port 0 can be reported
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,18 +128,39 @@ def run_server(args: argparse.Namespace) -> None:
         sock.bind((args.host, args.port))
     except OSError as e:
         raise SystemExit(f"minivllm serve: cannot listen on {args.host}:{args.port}: {e}") from None
-    state = build_state(args)
+    state = None
+    try:
+        try:
+            state = build_state(args)
+            server = _uvicorn_server(args, state)
+        except Exception as e:
+            logger.debug("start-up failed", exc_info=True)
+            cause = "".join(traceback.format_exception_only(type(e), e)).strip()
+            raise SystemExit(f"minivllm serve: could not start: {cause}") from None
+        port = sock.getsockname()[1]
+        url = f"http://{args.host}:{port}"
+        print(f"minivllm serve: model {state.model_name!r} at {url}", flush=True)
+        server.run(sockets=[sock])  # uvicorn's lifespan stops the engine when it ends
+    finally:
+        if state is not None:
+            state.engine.shutdown()
+    sys.exit(0)
+
+
+def _uvicorn_server(args: argparse.Namespace, state):
+    import uvicorn
+
+    from minivllm.frontend.server.app import build_app
+    from minivllm.frontend.server.streaming import with_server_send
+
     freeze_startup_heap()  # the server's own process: later collections skip start-up's heap
     config = uvicorn.Config(
         with_server_send(build_app(state)),
         loop="uvloop",
         http="httptools",
+        log_config=None,  # uvicorn's lines go through the root logger, in minivllm's format
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
-    port = sock.getsockname()[1]
-    print(f"minivllm serve: model {state.model_name!r} at http://{args.host}:{port}", flush=True)
-    server.run(sockets=[sock])
-    sys.exit(0)
+    return uvicorn.Server(config)
