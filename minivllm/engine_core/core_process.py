@@ -323,6 +323,8 @@ def _serve(
     """Start the engine-core and run it until it stops; the process's exit code."""
     proc: EngineCoreProc | None = None
     stopped_by: list[int] = []
+    # a daemon's operator wants to hear why it stopped; a spawned one's frontend asked for it
+    stop_level = logging.INFO if daemon else logging.DEBUG
 
     def on_signal(signum: int, _frame: Any) -> None:
         stopped_by.append(signum)
@@ -338,7 +340,7 @@ def _serve(
     except BaseException as e:
         if stopped_by:
             error = f"engine-core stopped by {signal.Signals(stopped_by[0]).name} while starting"
-            logger.info("%s", error)
+            logger.log(stop_level, "%s", error)
         else:
             cause = "".join(traceback.format_exception_only(type(e), e)).strip()
             error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
@@ -351,8 +353,7 @@ def _serve(
     )
     code = proc.run()
     if stopped_by:
-        # a daemon's operator wants to hear it; a spawned one's frontend asked for it
-        logger.log(logging.INFO if daemon else logging.DEBUG, "%s", proc.stop_reason)
+        logger.log(stop_level, "%s", proc.stop_reason)
         if stopped_by[0] == signal.SIGINT:
             return 128 + signal.SIGINT
     return code
