@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.process_helpers import LOG_LINE, Watched, private_tmpdir, python_env
@@ -72,6 +73,46 @@ def test_serve_ends_on_one_sigint(null_dir: str, run_dir_root: str) -> None:
     assert all(LOG_LINE.match(line) for line in logged), logged
     assert len(run.descendants) >= 2  # the engine-core and its worker
     assert os.listdir(run_dir_root) == []
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["engine-core-starting", "worker-starting"])
+def test_serve_ends_on_one_sigint_while_its_engine_starts(
+    depth: int, null_dir: str, run_dir_root: str
+) -> None:
+    """The Ctrl-C lands while the engine-core (or its worker) is still starting: no process
+    but the server's own reports it, and none is left."""
+    run = _start(["serve", null_dir, "--port", "0"], run_dir_root)
+    deadline = time.monotonic() + START_S
+    while _spawned_depth(run.proc.pid) < depth:
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)
+    sent = run.signal(signal.SIGINT, group=True)
+    assert run.wait(30) == 128 + signal.SIGINT
+    assert run.survivors(timeout=STOP_S) == []
+    assert time.monotonic() - sent < STOP_S
+    assert "engine-core listening" not in run.stderr, "the engine had started: not tested"
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == "minivllm serve: interrupted"
+    assert os.listdir(run_dir_root) == []
+
+
+def _spawned_depth(pid: int) -> int:
+    """How many generations of spawned processes run below `pid`: 1 once its engine-core
+    started, 2 once that one's worker did."""
+    depth, parents = 0, [pid]
+    try:
+        while True:
+            children = [
+                c.pid
+                for p in parents
+                for c in psutil.Process(p).children()
+                if "spawn_main" in " ".join(c.cmdline())
+            ]
+            if not children:
+                return depth
+            depth, parents = depth + 1, children
+    except psutil.Error:
+        return depth
 
 
 def _failed_start(args: list[str], tmpdir: str) -> Watched:
