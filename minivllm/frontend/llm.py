@@ -18,7 +18,8 @@ from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """Generate for a batch of prompts, vLLM's way: `LLM(model=...).generate(prompts, params)`."""
+    """Generate for a batch of prompts, vLLM's way: `LLM(model=...).generate(prompts, params)`.
+    The engine ends with the LLM (see `shutdown`); `with LLM(...) as llm:` scopes it."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(EngineArgs.field_names())

@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import sys
-import traceback
 
 from minivllm import envs
 from minivllm.logging_utils import configure_process_logging
@@ -135,8 +134,7 @@ def run_server(args: argparse.Namespace) -> None:
             server = _uvicorn_server(args, state)
         except Exception as e:
             logger.debug("start-up failed", exc_info=True)
-            cause = "".join(traceback.format_exception_only(type(e), e)).strip()
-            raise SystemExit(f"minivllm serve: could not start: {cause}") from None
+            raise SystemExit(f"minivllm serve: could not start: {type(e).__name__}: {e}") from None
         port = sock.getsockname()[1]
         url = f"http://{args.host}:{port}"
         print(f"minivllm serve: model {state.model_name!r} at {url}", flush=True)
