@@ -203,26 +203,30 @@ class AsyncLLM:
         self.shutdown()
 
 
-async def _output_handler(ref: weakref.ref[AsyncLLM], client) -> None:
+async def _output_handler(
+    ref: weakref.ref[AsyncLLM], client: AsyncMPClient | DPAsyncClient
+) -> None:
     """Hand each step's outputs to the AsyncLLM behind `ref`, for as long as it lives."""
     try:
         while True:
             try:
-                outputs = await client.get_output_async()
+                outputs: EngineCoreOutputs | EngineCoreDeadError = await client.get_output_async()
             except EngineCoreDeadError as e:  # one of several cores: its requests only
-                if (llm := ref()) is not None:
-                    llm._lost(e)
-                continue
-            if (llm := ref()) is None:
+                outputs = e
+            llm = ref()
+            if llm is None:
                 return
-            await llm._handle(outputs)
-            del llm
+            if isinstance(outputs, EngineCoreDeadError):
+                llm._lost(outputs)
+            else:
+                await llm._handle(outputs)
+            llm = None  # not held while waiting for the next outputs
     except Exception as e:  # cancellation (a BaseException) passes
         if (llm := ref()) is not None:
             llm._fail(e)
 
 
-def _shutdown(client, tasks: list[asyncio.Task]) -> None:
+def _shutdown(client: AsyncMPClient | DPAsyncClient, tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         with contextlib.suppress(RuntimeError):  # its event loop is closed: it is gone too
             task.cancel()
