@@ -17,8 +17,8 @@ import urllib.request
 
 
 class ServerProcess(contextlib.AbstractContextManager):
-    """`python -m minivllm.frontend.cli serve ARGS --port 0`; `url` is where it listens.
-    Its stderr goes to `log_path` (or is discarded)."""
+    """`python -m minivllm.frontend.cli serve ARGS --port 0`; `url` is where it listens
+    (127.0.0.1 unless ARGS name a --host). Its stderr goes to `log_path` (or is discarded)."""
 
     def __init__(
         self,
@@ -29,8 +29,9 @@ class ServerProcess(contextlib.AbstractContextManager):
     ) -> None:
         self.log_path = log_path
         log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        host = [] if "--host" in args else ["--host", "127.0.0.1"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minivllm.frontend.cli", "serve", *args, "--port", "0"],
+            [sys.executable, "-m", "minivllm.frontend.cli", "serve", *args, *host, "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
