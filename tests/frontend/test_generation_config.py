@@ -100,3 +100,26 @@ def test_bad_generation_config_is_refused_at_start(model_dir: str, tmp_path) -> 
     bad = _with_generation_config(model_dir, str(tmp_path / "bad"), {"top_p": 1.5})
     with pytest.raises(ValueError, match=r"generation_config \(auto\): top_p must be in"):
         EngineArgs(model=bad).create_engine_config()
+
+
+def test_server_rules_for_max_tokens(model_dir: str, tmp_path) -> None:
+    """vLLM's rules: the model's max_new_tokens is used when a request sets none (bounded by
+    the context); that of a generation-config directory caps even a request's own."""
+    import dataclasses
+
+    from minivllm.frontend.server.protocol import ChatCompletionRequest
+    from minivllm.frontend.server.sampling import ServerDefaults, chat_sampling_params
+
+    model = EngineArgs(model=model_dir).create_engine_config().model
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    asks = ChatCompletionRequest(messages=chat.messages, max_tokens=9, temperature=0.5)
+
+    def params(config, request):
+        return chat_sampling_params(request, False, ServerDefaults.of(config))
+
+    assert (params(model, chat).max_tokens, params(model, chat).top_k) == (5, 1)
+    assert (params(model, asks).max_tokens, params(model, asks).temperature) == (9, 0.5)
+    huge = dataclasses.replace(model, default_sampling_params={"max_tokens": 10**6})
+    assert params(huge, chat).max_tokens == model.max_model_len
+    capped = dataclasses.replace(model, generation_config=str(tmp_path))
+    assert params(capped, asks).max_tokens == 5

@@ -60,7 +60,14 @@ class ServerDefaults:
             model.generation_config, defaults, model.override_generation_config
         )
         fields = {k: v for k, v in defaults.items() if k in _DEFAULTED}
-        return cls(fields, defaults.get("max_tokens"), cap)
+        # a model's default is a wish, not a request's demand: what the context holds bounds it
+        most = model.max_model_len
+        default = defaults.get("max_tokens")
+        return cls(
+            fields,
+            None if default is None else min(default, most),
+            None if cap is None else min(cap, most),
+        )
 
     def max_tokens_for(self, requested: int | None) -> int | None:
         value = requested if requested is not None else self.max_tokens
