@@ -137,7 +137,6 @@ def _run_engine_core(args: argparse.Namespace) -> None:
             transport.cleanup_ipc(ipc_dir)
         raise SystemExit(f"minivllm engine-core: {e}") from None
     print(f"engine-core address: {input_address}", flush=True)
-    tokenizer_files = handshake_model.tokenizer_files(config.model)  # sent to clients
     try:
         run_engine_core(
             config,
@@ -145,7 +144,7 @@ def _run_engine_core(args: argparse.Namespace) -> None:
             output_address,
             daemon=True,
             curve=curve,
-            tokenizer_files=tokenizer_files,
+            tokenizer_files=handshake_model.tokenizer_files(config.model),  # for its clients
         )
     finally:
         if ipc_dir is not None:
