@@ -3,8 +3,9 @@
 Column-parallel layers split the output features across ranks and need no communication;
 row-parallel layers split the input features, so each rank's product is a partial sum to
 all-reduce. A column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down)
-thus costs one all-reduce, which a decoder leaves to the norm after it (`reduce_results`). Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
-copies this rank's slice of a checkpoint tensor into it.
+thus costs one all-reduce, which a decoder leaves to the norm after it (`reduce_results`).
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
+rank's slice of a checkpoint tensor into it.
 """
 
 from __future__ import annotations
