@@ -44,9 +44,10 @@ def rms_norm_linear(
     proj: ColumnParallelLinear,
     tp: TPGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(proj(norm(s)), s) with s = x + residual: a pre-norm block's input projection and the
-    new residual stream. x is a row-parallel projection's output, under TP each rank's partial
-    sum, summed here first; or, with residual None, the embeddings (s = x, whole already)."""
+    """(proj(norm(s)), s) with s = x summed over the TP ranks + residual: a pre-norm block's
+    input projection and the new residual stream. x is a row-parallel projection's output
+    (under TP each rank's partial sum); or, with residual None, the embeddings, whole on every
+    rank already (s = x)."""
     if residual is not None and tp.size > 1:
         normed, residual = tp.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         return proj(normed), residual
@@ -85,7 +86,8 @@ def qk_norm_rope_store_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norms each head of q and k (with q_norm and k_norm, Qwen3's; None: no norm), rotates
     them at `positions`, in place, and writes k and v into attn's KV cache. Returns q and k.
-    q [T, heads, head_dim]; k and v [T, kv_heads, head_dim], views of one qkv row are fine."""
+    q [T, heads, head_dim]; k and v [T, kv_heads, head_dim]: views into the qkv projection's
+    output are fine."""
     if q_norm is None:
         q_w = k_w = None
         eps, apply_norm = 0.0, False
