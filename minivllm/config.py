@@ -8,8 +8,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from minivllm.gguf_file import gguf_hf_config, is_gguf_path
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_LOAD_FORMATS = ("auto", "dummy")
+_LOAD_FORMATS = ("auto", "dummy", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
@@ -126,6 +128,25 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_hf_config(model: str) -> dict[str, Any]:
+    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
+    if is_gguf_path(model):
+        return gguf_hf_config(model)
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model: no config.json in {model!r}")
+    return _read_json(config_path)
+
+
+def _resolve_load_format(model: str, load_format: str) -> str:
+    """vLLM's rule: a GGUF file loads as "gguf" (or "dummy"), and "gguf" needs one."""
+    if not is_gguf_path(model):
+        if load_format == "gguf":
+            raise ValueError(f"load_format='gguf' needs model to be a GGUF file, got {model!r}")
+        return load_format
+    return "gguf" if load_format == "auto" else load_format
+
+
 def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
     gen_path = os.path.join(model_dir, "generation_config.json")
     eos: Any = None
@@ -210,7 +231,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a directory with config.json")
+            raise ValueError("model must name a directory with config.json or a GGUF file")
         for name, choices in (
             ("dtype", _DTYPES),
             ("load_format", _LOAD_FORMATS),
@@ -255,10 +276,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {self.model!r}")
-        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -286,6 +304,7 @@ class EngineArgs:
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
+            load_format=_resolve_load_format(self.model, self.load_format),
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
