@@ -139,7 +139,8 @@ def read_hf_config(model: str) -> dict[str, Any]:
 
 
 def _resolve_load_format(model: str, load_format: str) -> str:
-    """vLLM's rule: a GGUF file loads as "gguf" (or "dummy"), and "gguf" needs one."""
+    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
+    weights of its geometry), and "gguf" needs one."""
     if not is_gguf_path(model):
         if load_format == "gguf":
             raise ValueError(f"load_format='gguf' needs model to be a GGUF file, got {model!r}")
