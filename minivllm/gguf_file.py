@@ -12,6 +12,8 @@ import os
 import re
 from typing import Any
 
+import numpy as np
+
 # llama.cpp's architecture name -> ours (config.json's "architectures"). Mistral files say
 # "llama": llama.cpp converts them as Llama.
 GGUF_ARCHITECTURES = {
@@ -59,6 +61,15 @@ _BLOCK_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+# Llama 3.1 and later: llama.cpp writes HF's "llama3" RoPE scaling as one factor per
+# frequency, this tensor, which the config reads back (it is no weight)
+ROPE_FREQS = "rope_freqs.weight"
+# the scaling every such Llama uses but its factor; a file's factors are checked against it
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def is_gguf_path(path: str) -> bool:
@@ -125,7 +136,37 @@ def gguf_hf_config(path: str) -> dict[str, Any]:
     config["tie_word_embeddings"] = "output.weight" not in names
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        config["rope_scaling"] = _llama3_rope_scaling(
+            np.asarray(freqs.data, dtype=np.float64), config["head_dim"], config["rope_theta"]
+        )
     return config
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """HF's "llama3" rope_scaling whose per-frequency factors (llama.cpp's converter's
+    formula) are `factors`; ValueError if no such scaling gives them."""
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (old_len / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < old_len / high,
+        1.0,
+        np.where(
+            wavelen > old_len / low,
+            scaling["factor"],
+            1 / ((1 - smooth) / scaling["factor"] + smooth),
+        ),
+    )
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise ValueError(
+            f"GGUF tensor {ROPE_FREQS!r} holds RoPE factors that are not Llama 3's scaling "
+            f"(any factor with {_LLAMA3_ROPE}); only that scaling is supported"
+        )
+    return scaling
 
 
 def _config_from_metadata(reader: Any, arch: str) -> dict[str, Any]:
@@ -178,7 +219,11 @@ def _check_tensors(reader: Any, arch: str) -> None:
                 f"GGUF tensor {tensor.name!r} has type {type_name}, which is not supported; "
                 f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
             )
-    unknown = [t.name for t in reader.tensors if hf_tensor_name(t.name) is None]
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if hf_tensor_name(t.name) is None and not (t.name == ROPE_FREQS and arch == "llama")
+    ]
     if unknown:
         raise ValueError(
             f"GGUF tensors with no counterpart in {GGUF_ARCHITECTURES[arch]}: {unknown} "

@@ -5,6 +5,7 @@ HF checkpoint of the same dequantized weights for transformers to run as the ref
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -116,6 +117,24 @@ def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def llama_cpp_rope_factors(rope: dict, head_dim: int, theta: float) -> list[float]:
+    """llama.cpp's converter on Llama 3's "llama3" RoPE scaling (convert_hf_to_gguf.py's
+    `LlamaModel.generate_extra_tensors`): one factor per rotary frequency."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
 def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
     """The GGUF data of a [rows, cols] tensor as type `type_name`: quantized by
     `gguf.quants` where it can; k-quants (which gguf-py cannot quantize) as random blocks
@@ -201,6 +220,11 @@ def write_gguf(
             data = llama_cpp_permute(data, config.get("num_key_value_heads") or heads)
         raw_dtype = gguf.GGMLQuantizationType[type_name] if data.dtype == np.uint8 else None
         writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(data), raw_dtype=raw_dtype)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        factors = llama_cpp_rope_factors(rope, head_dim, rope["rope_theta"])
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

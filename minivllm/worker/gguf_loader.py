@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from minivllm.gguf_file import hf_tensor_name, open_gguf
+from minivllm.gguf_file import ROPE_FREQS, hf_tensor_name, open_gguf
 
 
 def iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -25,6 +25,8 @@ def iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[st
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     permuted = hf_config.get("model_type") == "llama"
     for tensor in open_gguf(path).tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # the config's rope_scaling (gguf_file.py)
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no HF counterpart")

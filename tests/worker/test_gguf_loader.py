@@ -4,7 +4,9 @@ what is not supported says what is."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 
 import gguf
 import numpy as np
@@ -13,8 +15,9 @@ from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
 from minivllm.gguf_file import SUPPORTED_TENSOR_TYPES
-from tests.gguf_files import build_tiny_gguf
+from tests.gguf_files import TINY_GEOMETRY, build_tiny_gguf, write_gguf
 from tests.hf_reference import hf_greedy, parity_prompts
+from tests.tiny_models import build_checkpoint
 
 TEXT = "Hello world! How are you today?"
 
@@ -64,6 +67,37 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     assert text_ids == hf_tok(TEXT)["input_ids"]
     assert chat == hf_tok.apply_chat_template(
         [{"role": "user", "content": TEXT}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path) -> None:
+    """Llama 3.1 files carry their RoPE scaling as per-frequency factors (rope_freqs): read
+    back as HF's "llama3" scaling, long prompts give transformers' tokens."""
+    hf_dir = build_checkpoint(str(tmp_path / "llama31"), "llama", seed=5, **TINY_GEOMETRY)
+    config_path = os.path.join(hf_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    path = write_gguf(hf_dir, str(tmp_path / "llama31.gguf"))
+    rng = random.Random(0)
+    prompts = [[rng.randint(1, 300) for _ in range(n)] for n in (300, 480)]
+    llm = LLM(path, dtype="float32", distributed_executor_backend="uni")
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(
+        path + ".reference", prompts, 8
     )
 
 
@@ -142,11 +176,20 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
 
 
 def test_a_tensor_without_counterpart_is_named(tmp_path) -> None:
-    """Llama 3.1 files carry rope_freqs (per-frequency RoPE factors), which we do not apply:
-    refusing the file beats answering wrong."""
-    freqs = np.ones(32, dtype=np.float32)
-    path = _write(str(tmp_path / "l31.gguf"), "llama", {"rope_freqs.weight": (freqs, "F32")})
-    with pytest.raises(ValueError, match=r"no counterpart in LlamaForCausalLM: \['rope_freqs"):
+    embed = np.zeros((32, 64), dtype=np.float32)
+    tensors = {"token_embd.weight": (embed, "F32"), "blk.0.ffn_gate_inp.weight": (embed, "F32")}
+    path = _write(str(tmp_path / "moe.gguf"), "llama", tensors)
+    with pytest.raises(
+        ValueError, match=r"no counterpart in LlamaForCausalLM: \['blk.0.ffn_gate_inp"
+    ):
+        LLM(path, distributed_executor_backend="uni")
+
+
+def test_rope_factors_of_another_scaling_are_refused(tmp_path) -> None:
+    """Factors that no "llama3" scaling gives would be applied wrong: refused."""
+    freqs = np.linspace(1.0, 3.0, 16, dtype=np.float32)  # head_dim 32: 16 frequencies
+    path = _write(str(tmp_path / "rope.gguf"), "llama", {"rope_freqs.weight": (freqs, "F32")})
+    with pytest.raises(ValueError, match="'rope_freqs.weight' holds RoPE factors that are not"):
         LLM(path, distributed_executor_backend="uni")
 
 
