@@ -40,6 +40,7 @@ from minivllm.protocol.messages import (
     EngineCoreRequest,
     Heartbeat,
     RouteReady,
+    TokenizerFile,
     UtilityCall,
     UtilityMethod,
     UtilityResult,
@@ -61,8 +62,12 @@ class EngineCoreProc:
         input_address: str,
         output_address: str,
         curve: CurveServerKeys | None = None,
+        tokenizer_files: list[TokenizerFile] | None = None,
     ) -> None:
+        """`tokenizer_files`: what a daemon hands clients that have no tokenizer of their own."""
         self.config = config
+        self.tokenizer_files = tokenizer_files
+        self.model_config_bytes = msgspec.msgpack.encode(config.model)
         for address in (input_address, output_address):
             auth.check_listen_address(address, curve)
         self.ctx = zmq.Context()
@@ -228,6 +233,10 @@ class EngineCoreProc:
                 f"protocol version mismatch: client speaks {hello.protocol_version}, "
                 f"engine-core speaks {PROTOCOL_VERSION}"
             )
+            return reply
+        reply.model_config = self.model_config_bytes
+        if hello is not None and not hello.has_tokenizer:
+            reply.tokenizer_files = self.tokenizer_files
         return reply
 
     def _output_loop(self) -> None:
@@ -292,9 +301,11 @@ def run_engine_core(
     death_pipe: Connection | None = None,
     daemon: bool = False,
     curve: CurveServerKeys | None = None,
+    tokenizer_files: list[TokenizerFile] | None = None,
 ) -> None:
     """Process entry point. A spawned engine-core dies with its frontend; a daemon does not.
-    With `curve`, only clients holding authorized keys get through (see protocol/auth.py)."""
+    With `curve`, only clients holding authorized keys get through (see protocol/auth.py);
+    `tokenizer_files` go to clients that ask (a daemon's)."""
     if not daemon:
         die_with_parent(death_pipe)
     logging.basicConfig(
@@ -312,7 +323,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        proc = EngineCoreProc(config, input_address, output_address, curve)
+        proc = EngineCoreProc(config, input_address, output_address, curve, tokenizer_files)
     except BaseException as e:
         cause = "".join(traceback.format_exception_only(type(e), e)).strip()
         error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"

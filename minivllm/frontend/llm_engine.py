@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from minivllm.config import EngineArgs, EngineConfig
+from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import attach_client, make_client
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
-from minivllm.frontend.tokenizer import load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import UtilityMethod
@@ -19,26 +19,53 @@ class LLMEngine:
     """Tokenizes on the way in, detokenizes on the way out; the engine-core does the rest,
     in its own process by default (`distributed_executor_backend='uni'` keeps it in this one)."""
 
-    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        client: EngineCoreClient,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`); `config`: the
+        whole engine's when this frontend started it (None when attached to a daemon)."""
         self.config = config
-        model = config.model
-        self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
-        self.input_processor = InputProcessor(model, self.tokenizer)
+        self.model_config = model_config
+        if tokenizer is None and not model_config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(model_config.tokenizer)
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if client is None and config.parallel.distributed_executor_backend == "uni":
-            client = InprocClient(config)
-        self.engine_core = client or make_client(config, asynchronous=False)
+        self.engine_core = client
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+        config = engine_args.create_engine_config()
+        model = config.model
+        # the tokenizer first: a missing one fails before any process starts
+        tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
+        if config.parallel.distributed_executor_backend == "uni":
+            client: EngineCoreClient = InprocClient(config)
+        else:
+            client = make_client(config, asynchronous=False)
+        return cls(model, client, tokenizer, config)
 
     @classmethod
-    def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLMEngine:
+    def connect(
+        cls,
+        address: str | list[str],
+        curve: CurveClientKeys | None = None,
+        tokenizer: str | None = None,
+    ) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: requests routed over them as with data parallelism)."""
-        client = attach_client(address, curve, asynchronous=False)
-        return cls(client.engine_config(), client=client)
+        (a list: requests routed over them as with data parallelism). The model's config
+        and tokenizer come from the daemon; `tokenizer`: a directory to load it from instead."""
+        client = attach_client(address, curve, asynchronous=False, has_tokenizer=bool(tokenizer))
+        try:
+            model_config, loaded = client.attached_model(tokenizer)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(model_config, client, loaded)
 
     def add_request(
         self,

@@ -14,15 +14,24 @@ Start-up, as it travels:
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from minivllm.protocol.limits import AbortIds, EosTokenIds, PromptTokenIds, RequestId
+from minivllm.protocol.limits import (
+    MAX_TOKENIZER_FILES,
+    AbortIds,
+    EosTokenIds,
+    ModelConfigBytes,
+    PromptTokenIds,
+    RequestId,
+    TokenizerFileData,
+    TokenizerFileName,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class FinishReason(enum.IntEnum):
@@ -178,12 +187,26 @@ class ClientHello(msgspec.Struct, array_like=True, omit_defaults=True):
 
     client_id: int
     protocol_version: int = PROTOCOL_VERSION
+    # the client loads a tokenizer of its own: the engine-core sends no tokenizer files
+    has_tokenizer: bool = False
+
+
+class TokenizerFile(msgspec.Struct, array_like=True):
+    """One file of the engine's tokenizer, as `save_pretrained` writes it; the client writes
+    only names it knows (frontend/handshake_model.py), never a path it was sent."""
+
+    name: TokenizerFileName
+    data: TokenizerFileData
+
+
+TokenizerFiles = Annotated[list[TokenizerFile], msgspec.Meta(max_length=MAX_TOKENIZER_FILES)]
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     """Who the engine-core is and where to reach it: the reply to a `ClientHello`, and what
     a spawned engine-core sends its parent once it listens. `error` is set instead when it
-    refuses the client (protocol version) or failed to start."""
+    refuses the client (protocol version) or failed to start; the fields after it are left
+    out then, so a client of an older version still reads why."""
 
     client_id: int = 0
     model: str = ""
@@ -192,6 +215,11 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     input_address: str = ""
     output_address: str = ""
     error: str | None = None
+    # the engine's `ModelConfig` (limits, vocabulary, EOS ids, sampling defaults) as msgpack:
+    # the frontend decodes it as that dataclass, so a client needs none of the model's files
+    model_config: ModelConfigBytes = b""
+    # the tokenizer, for a daemon's client that has none (`ClientHello.has_tokenizer`)
+    tokenizer_files: TokenizerFiles | None = None
 
 
 class RouteReady(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -15,7 +15,8 @@ from tests.hf_reference import hf_greedy, parity_prompts
 def served(server_factory, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("gguf-serve"))
     path = build_tiny_gguf(root, "llama")
-    return server_factory([path, "--dtype", "float32"]), path, f"{root}/llama"
+    # `-q gguf`: vLLM's spelling for a GGUF file, accepted though it is implied
+    return server_factory([path, "--dtype", "float32", "-q", "gguf"]), path, f"{root}/llama"
 
 
 def test_completion_tokens_equal_transformers(served) -> None:

@@ -120,10 +120,11 @@ def test_dummy_load_format_keeps_the_files_geometry(checkpoints) -> None:
     assert list(out.outputs[0].token_ids) != hf_greedy(path + ".reference", [prompt], 8)[0]
 
 
-def test_load_format_gguf_needs_a_gguf_file(checkpoints) -> None:
+@pytest.mark.parametrize("arg", ["load_format", "quantization"])
+def test_gguf_needs_a_gguf_file(checkpoints, arg: str) -> None:
     hf_dir, _ = checkpoints["llama"]
-    with pytest.raises(ValueError, match="load_format='gguf' needs model to be a GGUF file"):
-        LLM(hf_dir, load_format="gguf", distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match=f"{arg}='gguf' needs model to be a GGUF file"):
+        LLM(hf_dir, distributed_executor_backend="uni", **{arg: "gguf"})
 
 
 def _write(

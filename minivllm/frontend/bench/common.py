@@ -31,10 +31,25 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# engine args whose default differs in a benchmark: (default, help)
+_BENCH_DEFAULTS = {
+    "skip_tokenizer_init": (True, "no tokenizer: prompts are token ids (vLLM's benchmarks too)"),
+    "load_format": (None, "default: dummy (random weights) without --model, auto with it"),
+    "max_model_len": (
+        None,
+        "default: the model's; without --model, the workload's longest request (4096 at least)",
+    ),
+}
+
+
 def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
-    """--geometry, EngineArgs' flags (--model optional) and --output-json."""
+    """--geometry, EngineArgs' flags (--model optional; the defaults a benchmark uses) and
+    --output-json."""
     add_model_args(parser)
     add_engine_args(parser, model_required=False)
+    for action in parser._actions:
+        if action.dest in _BENCH_DEFAULTS:
+            action.default, action.help = _BENCH_DEFAULTS[action.dest]
     if output_json:
         parser.add_argument("--output-json", default=None, help="write the figures to this file")
 
@@ -56,11 +71,11 @@ def model_dir(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
 def bench_engine_args(
     args: argparse.Namespace, model: str, geometry: str | None, **overrides: Any
 ) -> EngineArgs:
-    """EngineArgs from the command line; a geometry gets dummy weights and token-id prompts
-    need no tokenizer (vLLM's benchmarks skip it too)."""
-    values: dict[str, Any] = {"model": model, "skip_tokenizer_init": True}
-    if geometry is not None:
-        values["load_format"] = "dummy"
+    """EngineArgs from the command line (`add_bench_args`' defaults): a geometry gets dummy
+    weights unless --load-format says otherwise."""
+    values: dict[str, Any] = {"model": model}
+    if args.load_format is None:
+        values["load_format"] = "auto" if geometry is None else "dummy"
     values.update(overrides)
     return engine_args_from(args, **values)
 
