@@ -28,6 +28,7 @@ from minivllm.frontend.bench.common import (
     model_dir,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.gguf_file import pretrained_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,7 +141,9 @@ def main(args: argparse.Namespace) -> dict:
         if args.compare == "hf":
             from transformers import AutoModelForCausalLM
 
-            hf_model = AutoModelForCausalLM.from_pretrained(model, dtype="float32").eval()
+            name, kwargs = pretrained_args(model)  # a GGUF file: transformers dequantizes it too
+            hf_model = AutoModelForCausalLM.from_pretrained(name, dtype="float32", **kwargs)
+            hf_model.eval()
         print(
             f"Model: {geometry or model} ({config.model.dtype}); {len(prompts)} prompts, "
             f"{sum(map(len, prompts))} positions; FP8 scales: "
