@@ -183,14 +183,21 @@ def test_unconstrained_steps_carry_no_bitmask(qwen3_dir, monkeypatch) -> None:
     monkeypatch.setattr(sampler, "apply_token_bitmask", refuse)
     core = make_core(qwen3_dir)
     sent = []
-    monkeypatch.setattr(core.executor, "send_grammar_bitmask", sent.append)
+    sample_tokens = core.executor.sample_tokens
+
+    def record(bitmask):  # noqa: ANN001, ANN202
+        sent.append(bitmask)
+        return sample_tokens(bitmask)
+
+    monkeypatch.setattr(core.executor, "sample_tokens", record)
     try:
         core.add_request(request("free", [5, 9], None, max_tokens=8, ignore_eos=True))
         results = run(core)
     finally:
         core.shutdown()
     assert len(results["free"]["tokens"]) == 8
-    assert not sent and core.executor.worker.model_runner.grammar_bitmasks is None
+    assert sent and all(bitmask is None for bitmask in sent)
+    assert core.executor.worker.model_runner.grammar_bitmasks is None
 
 
 def test_grammars_are_cached_by_their_spec_within_a_byte_budget(qwen3_dir, monkeypatch) -> None:

@@ -64,17 +64,23 @@ def step(step_id: int, new=(), cached=(), finished=(), preempted=()) -> Schedule
     )
 
 
+def launch(runner, so: SchedulerOutput):  # noqa: ANN001, ANN201
+    """A step without structured outputs, as a worker runs it: both calls at once."""
+    runner.execute_model(so)
+    return runner.sample_tokens()
+
+
 def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
     expected_a, expected_b = hf_greedy(qwen3_dir, [PROMPT_A, PROMPT_B], 4)
     runner = make_worker(qwen3_dir).model_runner
     n = len(PROMPT_A)
     # every step is launched before the previous one's output is looked at
-    outs = [runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))]
-    outs.append(runner.execute_model_async(step(1, cached=[("a", [], n, 1)])))
+    outs = [launch(runner, step(0, new=[new_req("a", PROMPT_A, [0, 1])]))]
+    outs.append(launch(runner, step(1, cached=[("a", [], n, 1)])))
     # "a" sits out a step (budget spent elsewhere): its in-flight token is now two steps old
-    outs.append(runner.execute_model_async(step(2, new=[new_req("b", PROMPT_B, [2])])))
-    outs.append(runner.execute_model_async(step(3, cached=[("a", [3], n + 1, 1), ("b", [], 3, 1)])))
-    outs.append(runner.execute_model_async(step(4, cached=[("a", [], n + 2, 1)])))
+    outs.append(launch(runner, step(2, new=[new_req("b", PROMPT_B, [2])])))
+    outs.append(launch(runner, step(3, cached=[("a", [3], n + 1, 1), ("b", [], 3, 1)])))
+    outs.append(launch(runner, step(4, cached=[("a", [], n + 2, 1)])))
     got = [o.get() for o in outs]
     tokens: dict[str, list[int]] = {"a": [], "b": []}
     for o in got:
@@ -92,18 +98,18 @@ def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
 def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str, gone: str) -> None:
     # one row only: "b" can run only once "a" is dropped
     runner = make_worker(qwen3_dir, max_num_seqs=1).model_runner
-    runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
+    launch(runner, step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
     # "a" finished (aborted) or was preempted while its token was in flight; "b" takes its row
-    runner.execute_model_async(step(1, new=[new_req("b", PROMPT_B, [2])], **{gone: ["a"]}))
+    launch(runner, step(1, new=[new_req("b", PROMPT_B, [2])], **{gone: ["a"]}))
     row = runner.batch.requests["b"].row
     before = runner.batch.token_ids[row].copy()
-    runner.execute_model_async(step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
+    launch(runner, step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
     assert (runner.batch.token_ids[row] == before).all()
     assert runner.batch.token_ids[row, :3].tolist() == PROMPT_B
 
 
 def test_step_buffers_views_share_one_buffer() -> None:
-    bufs = StepBuffers(8, 32, 5, torch.device("cpu"))
+    bufs = StepBuffers(8, 32, 5, 4, torch.device("cpu"))
     h = bufs.next_host()
     h.input_ids[:3] = [7, 8, 9]
     h.block_table[1, :2] = [4, 5]
