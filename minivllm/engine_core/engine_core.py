@@ -91,14 +91,13 @@ class EngineCore:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
             check_request(request, self.config.model)
-            self.scheduler.check_prompt(request.request_id, len(request.prompt_token_ids))
+            self.scheduler.check_admission(request.request_id, len(request.prompt_token_ids))
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             structured = request.sampling_params.structured_outputs
             if structured is not None:
-                # the grammar's end: EOS (even with ignore_eos, which then generates on) or
-                # a stop token id
-                stops = {*request.eos_token_ids, *(request.sampling_params.stop_token_ids or ())}
-                self.structured.add_request(req, structured.spec(), sorted(stops))
+                # the grammar ends at a stop token (with ignore_eos, EOS ends the grammar
+                # and the request generates on, unconstrained)
+                self.structured.add_request(req, structured.spec(), sorted(req.stop_token_ids))
             self.scheduler.add_request(req)
         except ValueError as e:
             logger.warning("request %s rejected: %s", request.request_id, e)

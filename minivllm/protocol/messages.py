@@ -19,10 +19,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from minivllm.protocol.limits import AbortIds, EosTokenIds, PromptTokenIds, RequestId
+from minivllm.protocol.limits import (
+    AbortIds,
+    AllStopTokenIds,
+    EosTokenIds,
+    PromptTokenIds,
+    RequestId,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class FinishReason(enum.IntEnum):
@@ -219,6 +225,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hits)
     sample_seed: int = 0  # base seed of this request's generator (derived if the user gave none)
+    # with min_tokens: the ids it masks until then (the request's stop token ids, EOS
+    # included whatever ignore_eos says); empty without min_tokens
+    min_tokens_stop_ids: AllStopTokenIds = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -306,7 +306,10 @@ class ModelRunner:
                 self.processors.remove(state.row)
         for new in so.scheduled_new_reqs:
             row = self.batch.add(new).row
-            self.processors.add(row, new.sampling_params, new.token_ids, new.num_prompt_tokens)
+            self.processors.add(
+                row, new.sampling_params, new.token_ids, new.num_prompt_tokens,
+                new.min_tokens_stop_ids,
+            )  # fmt: skip
         self.batch.update(so.scheduled_cached_reqs)
 
     def _apply_older_outputs(self) -> None:
