@@ -194,6 +194,10 @@ class Scheduler:
         preempting the newest running requests while blocks run out."""
         kv, running, max_len = self.kv_cache_manager, self.running, self.max_len
         cached = step.cached_reqs
+        cached_ids, cached_blocks, cached_computed = (
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+        )  # fmt: skip
+        take = step.take
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
@@ -213,10 +217,10 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_block_ids)
-            cached.num_computed_tokens.append(num_computed)
-            step.take(request, num_new)
+            cached_ids.append(request.request_id)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(num_computed)
+            take(request, num_new)
 
     def _schedule_waiting(self, step: _NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks

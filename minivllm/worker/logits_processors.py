@@ -28,6 +28,7 @@ import torch
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.ops.penalties import apply_penalties
+from minivllm.worker.step_buffers import DeviceViews, HostViews
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -184,8 +185,8 @@ class LogitsProcessors:
         rows: np.ndarray,
         num_tokens: np.ndarray,
         batch: InputBatch,
-        host,  # noqa: ANN001 - StepBuffers host views
-        dev,  # noqa: ANN001 - StepBuffers device views
+        host: HostViews,
+        dev: DeviceViews,
     ) -> StepProcessing | None:
         """The processing of the step whose sampling rows are the batch `rows` (their
         requests' lengths before this sample in `num_tokens`); None when no row uses any.

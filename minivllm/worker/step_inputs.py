@@ -100,7 +100,10 @@ class ExecutedStep:
     def sampling_requests(self) -> list[RequestState]:
         """The requests that sample, in logits-row order."""
         sampling = self.sampling
-        return [] if sampling is None else [self.inputs.requests[i] for i in sampling.req_idx]
+        if sampling is None:
+            return []
+        requests = self.inputs.requests
+        return [requests[i] for i in sampling.req_idx]
 
 
 def order_requests(so: SchedulerOutput, batch: InputBatch) -> ScheduledBatch:

@@ -7,11 +7,17 @@ schedule by hand the cases where that bookkeeping could slip.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from minivllm.config import EngineArgs
-from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.messages import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.cuda_graphs import (
     PREFILL_GRAPH_SEQS,
@@ -106,6 +112,28 @@ def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str, gone: str)
     launch(runner, step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
     assert (runner.batch.token_ids[row] == before).all()
     assert runner.batch.token_ids[row, :3].tolist() == PROMPT_B
+
+
+def test_a_structured_step_samples_once_its_bitmask_comes(qwen3_dir: str) -> None:
+    """The two calls of a step with structured outputs: the forward first, then the sample,
+    constrained by the bitmask the second call brings (one token allowed: greedy takes it)."""
+    runner = make_worker(qwen3_dir).model_runner
+    so = step(0, new=[new_req("a", PROMPT_A, [0, 1])])
+    so.structured_output_req_ids = ["a"]
+    runner.execute_model(so)
+    with pytest.raises(RuntimeError, match="step 1 came before step 0 was sampled"):
+        runner.execute_model(step(1, cached=[("a", [], len(PROMPT_A), 1)]))
+    allowed = 77
+    mask = np.zeros((1, -(-runner.config.model.vocab_size // 32)), dtype=np.int32)
+    mask[0, allowed // 32] = 1 << (allowed % 32)
+    out = runner.sample_tokens(GrammarBitmask(0, mask)).get()
+    assert out.sampled_token_ids == [[allowed]]
+    # the next step reads that token as its input, and samples without a bitmask
+    out = launch(runner, step(1, cached=[("a", [], len(PROMPT_A), 1)])).get()
+    assert out.sampled_token_ids == [hf_greedy(qwen3_dir, [[*PROMPT_A, allowed]], 1)[0]]
+    runner.execute_model(step(2, cached=[("a", [], len(PROMPT_A) + 1, 1)]))
+    with pytest.raises(RuntimeError, match="0 structured-output requests; .* got a grammar"):
+        runner.sample_tokens(GrammarBitmask(2, mask))
 
 
 def test_step_buffers_views_share_one_buffer() -> None:
