@@ -258,10 +258,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The allowed next tokens of one step's structured-output requests, sent to every rank
-    once the matchers have taken the tokens of every earlier step: with async scheduling that
-    is after the step itself, so the workers run its forward and wait for this only to sample.
-    """
+    """The allowed next tokens of one step's structured-output requests: the step's second
+    call (`sample_tokens`), sent to every rank once the matchers have taken the tokens of
+    every earlier step. The workers run the step's forward meanwhile and wait for this only
+    to sample; a step without structured outputs is sampled without it."""
 
     step_id: int
     # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit
