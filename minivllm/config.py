@@ -8,8 +8,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from minivllm import generation_defaults
+from minivllm.gguf_file import gguf_hf_config, is_gguf_path
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_LOAD_FORMATS = ("auto", "dummy")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
+_LOAD_FORMATS = ("auto", "dummy", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
@@ -17,6 +21,18 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+# quantization methods the model loader implements: add a name here and its
+# loading in worker/, and --quantization accepts it
+QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)  # a GGUF file's, dequantized at load
+# the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
+ENGINE_ARG_CHOICES = {
+    "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
+    "load_format": _LOAD_FORMATS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "device": _DEVICES,
+    "distributed_executor_backend": _EXECUTORS,
+    "logprobs_mode": LOGPROBS_MODES,
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,11 @@ class ModelConfig:
     disable_cascade_attn: bool = False
     max_logprobs: int = 20  # the most (prompt) logprobs a request may ask; -1: the vocabulary
     logprobs_mode: str = "raw_logprobs"  # what logprobs hold: one of LOGPROBS_MODES
+    # where the sampling defaults come from ("auto", "vllm" or a directory), and those
+    # defaults: SamplingParams fields the model's generation config sets (generation_defaults.py)
+    generation_config: str = "auto"
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -126,6 +147,28 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_hf_config(model: str) -> dict[str, Any]:
+    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
+    if is_gguf_path(model):
+        return gguf_hf_config(model)
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model: no config.json in {model!r}")
+    return _read_json(config_path)
+
+
+def _resolve_load_format(model: str, load_format: str, quantization: str | None) -> str:
+    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
+    weights of its geometry); "gguf", as load_format or quantization, needs one."""
+    gguf = is_gguf_path(model)
+    for name, value in (("load_format", load_format), ("quantization", quantization)):
+        if value == "gguf" and not gguf:
+            raise ValueError(f"{name}='gguf' needs model to be a GGUF file, got {model!r}")
+    if gguf and quantization not in (None, "gguf"):
+        raise ValueError(f"quantization={quantization!r}: a GGUF file's quantization is 'gguf'")
+    return "gguf" if gguf and load_format == "auto" else load_format
+
+
 def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
     gen_path = os.path.join(model_dir, "generation_config.json")
     eos: Any = None
@@ -207,20 +250,21 @@ class EngineArgs:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # ---- vLLM's spellings, and where the sampling defaults come from
+    trust_remote_code: bool = False  # accepted; no remote code is ever run (built-in models only)
+    revision: str | None = None  # a hub revision: refused, a local directory has none
+    quantization: str | None = None  # one of QUANTIZATION_METHODS
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (generation_defaults.py)
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a directory with config.json")
-        for name, choices in (
-            ("dtype", _DTYPES),
-            ("load_format", _LOAD_FORMATS),
-            ("kv_cache_dtype", KV_CACHE_DTYPES),
-            ("device", _DEVICES),
-            ("distributed_executor_backend", _EXECUTORS),
-            ("logprobs_mode", LOGPROBS_MODES),
-        ):
+            raise ValueError("model must name a directory with config.json or a GGUF file")
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        for name, choices in ENGINE_ARG_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        self._check_vllm_spellings()
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
@@ -253,12 +297,44 @@ class EngineArgs:
                 "distributed_executor_backend must be 'mp' or 'ray', not 'uni'"
             )
 
+    def _check_vllm_spellings(self) -> None:
+        """vLLM's arguments that name something this engine does not have, refused by name."""
+        if self.revision is not None:
+            raise ValueError(
+                f"revision={self.revision!r}: models load from local directories, which have "
+                "no revisions; check out the revision into a directory and pass that as model"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            supported = ", ".join(QUANTIZATION_METHODS) or "none yet"
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported (supported: {supported}); "
+                "weights load in the checkpoint's dtype or --dtype"
+            )
+        generation_defaults.check_source(self.generation_config)
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError(
+                "override_generation_config must be a dict, got "
+                f"{type(self.override_generation_config).__name__}"
+            )
+
+    def _default_sampling_params(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """The model's sampling defaults, checked as SamplingParams so a bad value names the
+        generation config at start-up rather than failing every request."""
+        from minivllm.protocol.sampling_params import SamplingParams
+
+        defaults = generation_defaults.default_sampling_params(
+            self.model, self.generation_config, hf_config, self.override_generation_config
+        )
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config ({self.generation_config}): {e}") from None
+        generation_defaults.log_defaults(self.generation_config, defaults)
+        return defaults
+
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {self.model!r}")
-        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -286,10 +362,12 @@ class EngineArgs:
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
+            load_format=_resolve_load_format(self.model, self.load_format, self.quantization),
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
+            default_sampling_params=self._default_sampling_params(hf_config),
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:

@@ -25,4 +25,5 @@ def attend(
     if kv_scale is not None:
         layer.kv_scale.copy_(kv_scale)
     with forward_batch(meta, [kv_cache]):
-        return layer(q, k, v)
+        layer.store_kv(k, v)
+        return layer(q)

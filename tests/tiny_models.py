@@ -71,8 +71,10 @@ def build_checkpoint(
     max_shard_size: str | None = None,
     eos_token_ids: list[int] | None = None,
     seed: int = 0,
+    **extra_config: object,
 ) -> str:
-    """Save a random tiny model of `arch` (plus tokenizer and generation config) to out_dir."""
+    """Save a random tiny model of `arch` (plus tokenizer and generation config) to out_dir;
+    `extra_config` goes into its config (e.g. Llama's attention_bias)."""
     import transformers
 
     config_cls_name, model_cls_name = _ARCHS[arch]
@@ -97,7 +99,7 @@ def build_checkpoint(
         kwargs["head_dim"] = head_dim
     if arch == "mistral":
         kwargs["sliding_window"] = None
-    config = config_cls(**kwargs)
+    config = config_cls(**kwargs, **extra_config)
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = model_cls(config).eval()

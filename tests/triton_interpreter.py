@@ -49,10 +49,11 @@ def _patch_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
-def _round_fp8_like_the_gpu() -> None:
-    """Make the interpreter convert to float8_e4m3fn by round-to-nearest-even, as the GPU's
-    `cvt.rn.satfinite` does (torch's conversion): Triton 3.6's interpreter rounds half up and
-    drops the carry into the exponent (-127.45 becomes -64, not -128)."""
+def _round_like_the_gpu() -> None:
+    """Make the interpreter convert float32 to float8_e4m3fn and to bfloat16 by
+    round-to-nearest-even, as the GPU's `cvt.rn` does (torch's conversion): Triton 3.6's
+    interpreter rounds float8 half up and drops the carry into the exponent (-127.45 becomes
+    -64, not -128), and truncates bfloat16."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -61,9 +62,11 @@ def _round_fp8_like_the_gpu() -> None:
     original = interpreter._convert_float
 
     def convert(input, input_dtype, output_dtype, rounding_mode):  # noqa: A002, ANN001, ANN202
-        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+        if input_dtype == tl.float32 and output_dtype in (tl.float8e4nv, tl.bfloat16):
             x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
-            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            if output_dtype == tl.float8e4nv:
+                return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert
@@ -71,6 +74,6 @@ def _round_fp8_like_the_gpu() -> None:
 
 if __name__ == "__main__":  # python triton_interpreter.py SCRIPT ARGS...
     _patch_interpreter_scalar_index()
-    _round_fp8_like_the_gpu()
+    _round_like_the_gpu()
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,6 +43,7 @@ from minivllm.protocol.messages import (
     EngineCoreRequest,
     Heartbeat,
     RouteReady,
+    TokenizerFile,
     UtilityCall,
     UtilityMethod,
     UtilityResult,
@@ -63,8 +65,12 @@ class EngineCoreProc:
         input_address: str,
         output_address: str,
         curve: CurveServerKeys | None = None,
+        tokenizer_files: list[TokenizerFile] | None = None,
     ) -> None:
+        """`tokenizer_files`: what a daemon hands clients that have no tokenizer of their own."""
         self.config = config
+        self.tokenizer_files = tokenizer_files
+        self.model_config_bytes = msgspec.msgpack.encode(config.model)
         for address in (input_address, output_address):
             auth.check_listen_address(address, curve)
         self.ctx = zmq.Context()
@@ -230,6 +236,10 @@ class EngineCoreProc:
                 f"protocol version mismatch: client speaks {hello.protocol_version}, "
                 f"engine-core speaks {PROTOCOL_VERSION}"
             )
+            return reply
+        reply.model_config = self.model_config_bytes
+        if hello is not None and not hello.has_tokenizer:
+            reply.tokenizer_files = self.tokenizer_files
         return reply
 
     def _output_loop(self) -> None:
@@ -294,33 +304,32 @@ def run_engine_core(
     death_pipe: Connection | None = None,
     daemon: bool = False,
     curve: CurveServerKeys | None = None,
+    tokenizer_files: list[TokenizerFile] | None = None,
     run_dir: str | None = None,
 ) -> None:
     """Process entry point. A spawned engine-core stops on SIGTERM, which its frontend sends
     (or the kernel, when the frontend dies), and ignores SIGINT: its frontend decides what a
     Ctrl-C means. A daemon stops on either. `run_dir`: a directory to remove at exit (the
     spawner's, holding the sockets: a spawner killed by SIGKILL cannot remove it). With
-    `curve`, only clients holding authorized keys get through (see protocol/auth.py)."""
+    `curve`, only clients holding authorized keys get through (see protocol/auth.py);
+    `tokenizer_files` go to clients that ask (a daemon's)."""
     if not daemon:
         die_with_parent(death_pipe, signal.SIGTERM)
     configure_process_logging()
+
+    def make() -> EngineCoreProc:
+        return EngineCoreProc(config, input_address, output_address, curve, tokenizer_files)
+
     try:
-        code = _serve(config, input_address, output_address, ready_pipe, daemon, curve)
+        code = _serve(make, ready_pipe, daemon)
     finally:
         if run_dir is not None:
             transport.cleanup_ipc(run_dir)
     raise SystemExit(code)
 
 
-def _serve(
-    config: EngineConfig,
-    input_address: str,
-    output_address: str,
-    ready_pipe: Connection | None,
-    daemon: bool,
-    curve: CurveServerKeys | None,
-) -> int:
-    """Start the engine-core and run it until it stops; the process's exit code."""
+def _serve(make: Callable[[], EngineCoreProc], ready_pipe: Connection | None, daemon: bool) -> int:
+    """Start the engine-core (`make`) and run it until it stops; the process's exit code."""
     proc: EngineCoreProc | None = None
     stopped_by: list[int] = []
     # a daemon's operator wants to hear why it stopped; a spawned one's frontend asked for it
@@ -336,7 +345,7 @@ def _serve(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal if daemon else signal.SIG_IGN)
     try:
-        proc = EngineCoreProc(config, input_address, output_address, curve)
+        proc = make()
     except BaseException as e:
         if stopped_by:
             error = f"engine-core stopped by {signal.Signals(stopped_by[0]).name} while starting"

@@ -16,7 +16,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
-from minivllm.frontend.tokenizer import load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
@@ -40,15 +40,18 @@ class AsyncLLM:
         model_config: ModelConfig,
         client: AsyncMPClient | DPAsyncClient,
         stat_loggers: list[StatLogger] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`)."""
         self.client = client
         self._tasks: list[asyncio.Task] = []  # the output handler, once started
         self._release = on_release(self, _shutdown, client, self._tasks)
         try:
             self.model_config = model_config
             self.stats = StatsCollector(stat_loggers) if stat_loggers else None
-            skip = model_config.skip_tokenizer_init
-            self.tokenizer = None if skip else load_tokenizer(model_config.tokenizer)
+            if tokenizer is None and not model_config.skip_tokenizer_init:
+                tokenizer = load_tokenizer(model_config.tokenizer)
+            self.tokenizer = tokenizer
             self.input_processor = InputProcessor(model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
@@ -72,18 +75,21 @@ class AsyncLLM:
         address: str | list[str],
         stat_loggers: list[StatLogger] | None = None,
         curve: CurveClientKeys | None = None,
+        tokenizer: str | None = None,
     ) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
         (a list: one serving frontend over all, requests routed as with data parallelism).
         `curve`: the keys a daemon on a network address asks for
-        (`CurveClientKeys.load(server_key, secret_key)`)."""
-        client = attach_client(address, curve, asynchronous=True)
+        (`CurveClientKeys.load(server_key, secret_key)`). The model's config and tokenizer
+        come from the daemon, so no model files are needed here; `tokenizer`: a directory
+        to load the tokenizer from instead."""
+        client = attach_client(address, curve, asynchronous=True, has_tokenizer=bool(tokenizer))
         try:
-            model_config = client.engine_config().model
+            model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
             client.shutdown()
             raise
-        return cls(model_config, client, stat_loggers)
+        return cls(model_config, client, stat_loggers, loaded)
 
     @property
     def errored(self) -> bool:

@@ -10,6 +10,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="minivllm", description="mini-vllm inference engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_core(sub)
     _add_keygen(sub)
@@ -26,14 +27,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + signal.SIGINT) from None
 
 
+def version() -> str:
+    """The installed package's version."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("minivllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _add_engine_core(sub: argparse._SubParsersAction) -> None:
-    from minivllm.frontend.arg_utils import add_engine_args
+    from minivllm.frontend.arg_utils import HelpFormatter, add_engine_args
 
     p = sub.add_parser(
         "engine-core",
         help="run an engine-core daemon that any number of clients attach to",
         description="Run an engine-core until SIGTERM. Clients attach with "
-        "AsyncLLM.connect(ADDRESS) or LLM.connect(ADDRESS).",
+        "AsyncLLM.connect(ADDRESS) or LLM.connect(ADDRESS); they need no copy of the model: "
+        "its tokenizer, limits and sampling defaults travel in the handshake.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--address",
@@ -56,14 +69,17 @@ def _add_engine_core(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_keygen(sub: argparse._SubParsersAction) -> None:
+    from minivllm.frontend.arg_utils import HelpFormatter
+
     p = sub.add_parser(
         "keygen",
         help="make a CURVE key pair for an engine-core or one of its clients",
         description="Write DIR/NAME.key (the public key: give it to the peer) and "
         "DIR/NAME.key_secret (mode 600: keep it).",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("dir", help="directory for the key files (made with mode 700 if missing)")
-    p.add_argument("--name", default="server", help="file name of the pair (default: server)")
+    p.add_argument("--name", default="server", help="file name of the pair")
     p.set_defaults(func=_run_keygen)
 
 
@@ -96,7 +112,8 @@ def daemon_addresses(address: str | None) -> tuple[str, str, str | None]:
 
 def _run_engine_core(args: argparse.Namespace) -> None:
     from minivllm.engine_core.core_process import run_engine_core
-    from minivllm.frontend.arg_utils import engine_args_from
+    from minivllm.frontend import handshake_model
+    from minivllm.frontend.arg_utils import absolute_paths, engine_args_from
     from minivllm.logging_utils import configure_process_logging
     from minivllm.protocol import transport
     from minivllm.protocol.auth import CurveServerKeys, check_listen_address
@@ -111,7 +128,8 @@ def _run_engine_core(args: argparse.Namespace) -> None:
             curve = CurveServerKeys.load(args.curve_secret_key, args.curve_clients)
         for address in (input_address, output_address):
             check_listen_address(address, curve)
-        config = engine_args_from(args).create_engine_config()
+        # its clients run in other directories, or on other hosts
+        config = engine_args_from(args, **absolute_paths(args)).create_engine_config()
         if config.parallel.data_parallel_size > 1:
             raise ValueError(
                 "a daemon is one engine-core; for data parallelism start one per rank and "
@@ -123,7 +141,14 @@ def _run_engine_core(args: argparse.Namespace) -> None:
         raise SystemExit(f"minivllm engine-core: {e}") from None
     print(f"engine-core address: {input_address}", flush=True)
     try:
-        run_engine_core(config, input_address, output_address, daemon=True, curve=curve)
+        run_engine_core(
+            config,
+            input_address,
+            output_address,
+            daemon=True,
+            curve=curve,
+            tokenizer_files=handshake_model.tokenizer_files(config.model),  # for its clients
+        )
     finally:
         if ipc_dir is not None:
             transport.cleanup_ipc(ipc_dir)

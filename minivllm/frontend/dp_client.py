@@ -17,13 +17,14 @@ from typing import Any, Self
 import msgspec
 import zmq
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.frontend.core_launch import EngineCoreLaunch
 from minivllm.frontend.dp_placement import engine_configs
 from minivllm.frontend.dp_router import DPRouter
 from minivllm.frontend.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient, _MPClient
+from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import (
     EngineCoreInfo,
@@ -37,16 +38,21 @@ DEFAULT_BLOCK_SIZE = 16  # prefix affinity's block when attached to daemons of u
 
 
 def _attach_all(
-    client_class, targets: list[str] | list[EngineCoreLaunch], curve: CurveClientKeys | None = None
+    client_class,
+    targets: list[str] | list[EngineCoreLaunch],
+    curve: CurveClientKeys | None = None,
+    has_tokenizer: bool = True,
 ) -> tuple[list[Any], list[str]]:
     """Attach a client to each engine-core, spawned (its start-ups overlap the attaches
     before it) or a daemon at an address; all must serve the same model. If any fails, stop
-    them all and raise, naming the rank. Returns the clients and their input addresses."""
+    them all and raise, naming the rank. Returns the clients and their input addresses.
+    Unless `has_tokenizer`, the first asks its daemon for the tokenizer."""
     clients: list[Any] = []
     try:
         for i, target in enumerate(targets):
             try:
-                clients.append(client_class(address=target, curve=curve))
+                own = has_tokenizer or i > 0
+                clients.append(client_class(address=target, curve=curve, has_tokenizer=own))
             except EngineStartupError as e:
                 raise EngineStartupError(f"engine-core {i} of {len(targets)}: {e}") from e
         addresses = [
@@ -107,12 +113,15 @@ class _DPClient:
         return cls(*_attach_all(cls.client_class, launches), config.cache.block_size)
 
     @classmethod
-    def connect(cls, addresses: list[str], curve: CurveClientKeys | None = None) -> Self:
-        return cls(*_attach_all(cls.client_class, list(addresses), curve), DEFAULT_BLOCK_SIZE)
+    def connect(
+        cls, addresses: list[str], curve: CurveClientKeys | None = None, has_tokenizer: bool = False
+    ) -> Self:
+        clients, bound = _attach_all(cls.client_class, list(addresses), curve, has_tokenizer)
+        return cls(clients, bound, DEFAULT_BLOCK_SIZE)
 
-    def engine_config(self) -> EngineConfig:
-        """The config to work with when attached to daemons (they serve the same model)."""
-        return self.clients[0].engine_config()
+    def attached_model(self, tokenizer: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
+        """The daemons' model config and tokenizer (they serve the same model)."""
+        return self.clients[0].attached_model(tokenizer)
 
     def _account(self, engine: int, out: EngineCoreOutputs) -> None:
         """Learn from one output batch of `engine` before it is handed on, its scheduler
@@ -378,10 +387,17 @@ def make_client(config: EngineConfig, asynchronous: bool) -> Any:
 
 
 def attach_client(
-    address: str | list[str], curve: CurveClientKeys | None, asynchronous: bool
+    address: str | list[str],
+    curve: CurveClientKeys | None,
+    asynchronous: bool,
+    has_tokenizer: bool = False,
 ) -> Any:
-    """Attach to one daemon, or route over several."""
+    """Attach to one daemon, or route over several; unless `has_tokenizer`, the (first)
+    daemon sends its tokenizer in the handshake."""
     addresses = [address] if isinstance(address, str) else list(address)
     if len(addresses) == 1:
-        return (AsyncMPClient if asynchronous else SyncMPClient).connect(addresses[0], curve)
-    return (DPAsyncClient if asynchronous else DPSyncClient).connect(addresses, curve)
+        single = AsyncMPClient if asynchronous else SyncMPClient
+        return single.connect(addresses[0], curve, has_tokenizer)
+    return (DPAsyncClient if asynchronous else DPSyncClient).connect(
+        addresses, curve, has_tokenizer
+    )

@@ -30,19 +30,32 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLM:
+    def connect(
+        cls,
+        address: str | list[str],
+        curve: CurveClientKeys | None = None,
+        tokenizer: str | None = None,
+    ) -> LLM:
         """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
         routed over all) instead of starting an engine; `shutdown()` (or leaving `with`, or
-        the end of the script) then detaches and leaves the daemons running. `curve`: the keys a daemon on a network address asks for
-        (`CurveClientKeys.load(server_key, secret_key)`)."""
+        the end of the script) then detaches and leaves the daemons running. `curve`: the
+        keys a daemon on a network address asks for (`CurveClientKeys.load(server_key,
+        secret_key)`). No model files are needed here: the daemon sends its tokenizer,
+        limits and sampling defaults; `tokenizer`: a directory to load the tokenizer from
+        instead."""
         llm = cls.__new__(cls)
         llm.engine_args = None
-        llm.llm_engine = LLMEngine.connect(address, curve)
+        llm.llm_engine = LLMEngine.connect(address, curve, tokenizer)
         llm._counter = itertools.count()
         return llm
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params `generate` and `chat` use when given none: the model's
+        generation-config defaults (`generation_config="auto"`), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.model_config.default_sampling_params)
 
     def generate(
         self,
@@ -52,7 +65,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

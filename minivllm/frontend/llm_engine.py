@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from minivllm.config import EngineArgs, EngineConfig
+from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import attach_client, make_client
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
-from minivllm.frontend.tokenizer import load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
@@ -24,37 +24,58 @@ class LLMEngine:
     refers to the LLMEngine any more, or at interpreter exit, whichever comes first. A
     given `client` is owned from here on, also when this constructor fails."""
 
-    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        client: EngineCoreClient,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`); `config`: the
+        whole engine's when this frontend started it (None when attached to a daemon)."""
         self.config = config
-        model = config.model
+        self.engine_core = client
+        self._release = on_release(self, client.shutdown)
         try:
-            self.tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
-            self.input_processor = InputProcessor(model, self.tokenizer)
+            self.model_config = model_config
+            if tokenizer is None and not model_config.skip_tokenizer_init:
+                tokenizer = load_tokenizer(model_config.tokenizer)
+            self.tokenizer = tokenizer
+            self.input_processor = InputProcessor(model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
-            if client is not None:
-                client.shutdown()
+            self._release()
             raise
-        if client is None and config.parallel.distributed_executor_backend == "uni":
-            client = InprocClient(config)
-        self.engine_core = client or make_client(config, asynchronous=False)
-        self._release = on_release(self, self.engine_core.shutdown)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+        config = engine_args.create_engine_config()
+        model = config.model
+        # the tokenizer first: a missing one fails before any process starts
+        tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
+        if config.parallel.distributed_executor_backend == "uni":
+            client: EngineCoreClient = InprocClient(config)
+        else:
+            client = make_client(config, asynchronous=False)
+        return cls(model, client, tokenizer, config)
 
     @classmethod
-    def connect(cls, address: str | list[str], curve: CurveClientKeys | None = None) -> LLMEngine:
+    def connect(
+        cls,
+        address: str | list[str],
+        curve: CurveClientKeys | None = None,
+        tokenizer: str | None = None,
+    ) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: requests routed over them as with data parallelism)."""
-        client = attach_client(address, curve, asynchronous=False)
+        (a list: requests routed over them as with data parallelism). The model's config
+        and tokenizer come from the daemon; `tokenizer`: a directory to load it from instead."""
+        client = attach_client(address, curve, asynchronous=False, has_tokenizer=bool(tokenizer))
         try:
-            config = client.engine_config()
+            model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
             client.shutdown()
             raise
-        return cls(config, client=client)
+        return cls(model_config, client, loaded)
 
     def add_request(
         self,

@@ -25,10 +25,12 @@ from typing import Any, Self, TypeVar
 import zmq
 import zmq.asyncio
 
-from minivllm.config import EngineArgs, EngineConfig
+from minivllm.config import EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.frontend.handshake_model import attached_model
+from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.process_utils import describe_exit
 from minivllm.protocol import transport
 from minivllm.protocol.auth import CurveClientKeys
@@ -63,12 +65,14 @@ class _MPClient:
         config: EngineConfig | None = None,
         address: str | EngineCoreLaunch | None = None,
         curve: CurveClientKeys | None = None,
+        has_tokenizer: bool = False,
     ) -> None:
         """`address`: a daemon's to attach to, or an engine-core launched for this client;
         None spawns one for `config`. `curve`: the keys a daemon on a network address asks
-        for."""
+        for. `has_tokenizer`: this client loads its own, a daemon need not send it."""
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(CORE_TO_FRONTEND)
         self.curve = curve
+        self.has_tokenizer = has_tokenizer
         self.launch: EngineCoreLaunch | None = None  # the engine-core this client spawned
         self.proc = None
         self.dead_reason: str | None = None
@@ -96,11 +100,14 @@ class _MPClient:
         raise NotImplementedError
 
     @classmethod
-    def connect(cls, address: str, curve: CurveClientKeys | None = None) -> Self:
+    def connect(
+        cls, address: str, curve: CurveClientKeys | None = None, has_tokenizer: bool = False
+    ) -> Self:
         """Attach to a running daemon at `address`."""
-        return cls(address=address, curve=curve)
+        return cls(address=address, curve=curve, has_tokenizer=has_tokenizer)
 
     def _attach(self, address: str) -> EngineCoreInfo:
+        self.address = address
         try:
             transport.check_ipc_listener(address)
         except OSError as e:
@@ -108,7 +115,7 @@ class _MPClient:
         self.input_sock = transport.connect_socket(
             self.ctx, zmq.DEALER, address, identity=self.identity, curve=self.curve
         )
-        hello = self.encoder.encode(ClientHello(self.client_id))
+        hello = self.encoder.encode(ClientHello(self.client_id, has_tokenizer=self.has_tokenizer))
         transport.send_msg(self.input_sock, hello)
         info = self._wait_handshake(self.input_sock, EngineCoreInfo, address)
         if info.error:
@@ -142,16 +149,10 @@ class _MPClient:
             f"no engine-core answered at {address} in {CONNECT_TIMEOUT_S:.0f} s{hint}"
         )
 
-    def engine_config(self) -> EngineConfig:
-        """The config to work with when attached to a daemon, from its `EngineCoreInfo`
-        (the model directory must be readable here too: its tokenizer and config are used)."""
-        args = EngineArgs(
-            model=self.info.model,
-            tokenizer=self.info.tokenizer,
-            max_model_len=self.info.max_model_len,
-            device="cpu",  # only the model's metadata is needed on this side
-        )
-        return args.create_engine_config()
+    def attached_model(self, tokenizer: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
+        """The daemon's model config and the tokenizer to use, from its handshake (no model
+        files needed here); `tokenizer`: a directory to load it from instead."""
+        return attached_model(self.info, self.address, tokenizer)
 
     def _check_alive(self, heard_nothing: bool = False) -> None:
         """Raise EngineDeadError once the engine is gone, or has dropped this client. Silence

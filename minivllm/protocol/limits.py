@@ -38,6 +38,12 @@ MAX_BAD_WORDS = 1024  # each at most MAX_STOP_STRING_CHARS characters
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured output's JSON schema, regex or grammar
 MAX_CHOICES = 4096  # structured_outputs.choice entries, each at most MAX_CHOICE_CHARS
 MAX_CHOICE_CHARS = 4096
+# what a daemon's handshake may carry: the engine's model config, and its tokenizer's files
+# (a vocabulary of 256k tokens takes ~35 MB); all of it within one MAX_MESSAGE_BYTES frame
+MAX_MODEL_CONFIG_BYTES = 8 << 20
+MAX_TOKENIZER_BYTES = 48 << 20  # the files together
+MAX_TOKENIZER_FILES = 32
+MAX_TOKENIZER_FILE_NAME_CHARS = 255
 
 
 def request_frame_bytes(max_model_len: int) -> int:
@@ -67,3 +73,6 @@ BadWordsTokenIds = _bounded(list[_bounded(list[int], MAX_STOP_STRING_CHARS)], 2 
 GrammarText = _bounded(str, MAX_GRAMMAR_CHARS)
 Choices = _bounded(list[_bounded(str, MAX_CHOICE_CHARS)], MAX_CHOICES)
 AllStopTokenIds = _bounded(list[int], MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS)
+ModelConfigBytes = _bounded(bytes, MAX_MODEL_CONFIG_BYTES)
+TokenizerFileName = _bounded(str, MAX_TOKENIZER_FILE_NAME_CHARS)
+TokenizerFileData = _bounded(bytes, MAX_TOKENIZER_BYTES)

@@ -14,15 +14,25 @@ Start-up, as it travels:
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from minivllm.protocol.limits import AbortIds, EosTokenIds, PromptTokenIds, RequestId
+from minivllm.protocol.limits import (
+    MAX_TOKENIZER_FILES,
+    AbortIds,
+    AllStopTokenIds,
+    EosTokenIds,
+    ModelConfigBytes,
+    PromptTokenIds,
+    RequestId,
+    TokenizerFileData,
+    TokenizerFileName,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 5
 
 
 class FinishReason(enum.IntEnum):
@@ -178,12 +188,26 @@ class ClientHello(msgspec.Struct, array_like=True, omit_defaults=True):
 
     client_id: int
     protocol_version: int = PROTOCOL_VERSION
+    # the client loads a tokenizer of its own: the engine-core sends no tokenizer files
+    has_tokenizer: bool = False
+
+
+class TokenizerFile(msgspec.Struct, array_like=True):
+    """One file of the engine's tokenizer, as `save_pretrained` writes it; the client writes
+    only names it knows (frontend/handshake_model.py), never a path it was sent."""
+
+    name: TokenizerFileName
+    data: TokenizerFileData
+
+
+TokenizerFiles = Annotated[list[TokenizerFile], msgspec.Meta(max_length=MAX_TOKENIZER_FILES)]
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     """Who the engine-core is and where to reach it: the reply to a `ClientHello`, and what
     a spawned engine-core sends its parent once it listens. `error` is set instead when it
-    refuses the client (protocol version) or failed to start."""
+    refuses the client (protocol version) or failed to start; the fields after it are left
+    out then, so a client of an older version still reads why."""
 
     client_id: int = 0
     model: str = ""
@@ -192,6 +216,11 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     input_address: str = ""
     output_address: str = ""
     error: str | None = None
+    # the engine's `ModelConfig` (limits, vocabulary, EOS ids, sampling defaults) as msgpack:
+    # the frontend decodes it as that dataclass, so a client needs none of the model's files
+    model_config: ModelConfigBytes = b""
+    # the tokenizer, for a daemon's client that has none (`ClientHello.has_tokenizer`)
+    tokenizer_files: TokenizerFiles | None = None
 
 
 class RouteReady(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -219,6 +248,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hits)
     sample_seed: int = 0  # base seed of this request's generator (derived if the user gave none)
+    # with min_tokens: the ids it masks until then (the request's stop token ids, EOS
+    # included whatever ignore_eos says); empty without min_tokens
+    min_tokens_stop_ids: AllStopTokenIds = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -249,10 +281,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The allowed next tokens of one step's structured-output requests, sent to every rank
-    once the matchers have taken the tokens of every earlier step: with async scheduling that
-    is after the step itself, so the workers run its forward and wait for this only to sample.
-    """
+    """The allowed next tokens of one step's structured-output requests: the step's second
+    call (`sample_tokens`), sent to every rank once the matchers have taken the tokens of
+    every earlier step. The workers run the step's forward meanwhile and wait for this only
+    to sample; a step without structured outputs is sampled without it."""
 
     step_id: int
     # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit

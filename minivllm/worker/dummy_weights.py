@@ -38,13 +38,18 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
         layer.update(
             {f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
         )
+    if variant.o_proj_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    if variant.mlp_bias:
+        layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)})
+        layer["mlp.down_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(config.num_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     shapes["model.norm.weight"] = (h,)
-    if not hf.get("tie_word_embeddings", False):
+    if not variant.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
 

@@ -126,7 +126,7 @@ def test_serve_fails_fast_naming_the_cause(null_dir: str, run_dir_root: str) -> 
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        run = _start(["serve", null_dir, "--port", str(port)], run_dir_root)
+        run = _start(["serve", null_dir, "--host", "127.0.0.1", "--port", str(port)], run_dir_root)
         assert run.wait(START_S) == 1
     finally:
         taken.close()

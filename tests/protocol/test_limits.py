@@ -138,3 +138,20 @@ def test_a_frame_over_the_socket_limit_never_arrives() -> None:
         for sock in (big, small, pull):
             sock.close(linger=0)
         ctx.term()
+
+
+def test_handshake_tokenizer_files_are_bounded() -> None:
+    """A daemon's handshake carries at most MAX_TOKENIZER_FILES files; a client refuses more
+    (and any one file over the whole limit) without building them."""
+    from minivllm.protocol.messages import EngineCoreInfo, TokenizerFile
+    from minivllm.protocol.serial import CORE_TO_FRONTEND
+
+    many = [TokenizerFile(f"f{i}", b"x") for i in range(limits.MAX_TOKENIZER_FILES + 1)]
+    frames = MsgEncoder().encode(EngineCoreInfo(1, tokenizer_files=many))
+    with pytest.raises(ProtocolError, match="length"):
+        MsgDecoder(CORE_TO_FRONTEND).decode(frames)
+    fits = [TokenizerFile("tokenizer.json", b"x" * 1000)]
+    info = MsgDecoder(CORE_TO_FRONTEND).decode(
+        MsgEncoder().encode(EngineCoreInfo(1, tokenizer_files=fits))
+    )
+    assert info.tokenizer_files == fits

@@ -57,3 +57,40 @@ def test_bench_serve_table_json_and_plot(null_server, tmp_path) -> None:
         assert result["max_concurrency"] == 4 and len(result["ttfts"]) == 12
         assert result["p99_ttft_ms"] >= result["median_ttft_ms"] > 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(server, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "serve", "--base-url"]
+    cmd += [server.url, "--num-prompts", "4", "--random-input-len", "16"]
+    cmd += ["--random-output-len", "4", "--ignore-eos", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=300)
+
+
+def test_bench_serve_reads_the_vocabulary_from_the_served_model(null_server) -> None:
+    """No --tokenizer: the prompts' ids come from the served model's vocabulary (/v1/models'
+    root), so every request succeeds (ids up to 10000 would all be refused)."""
+    _, server = null_server
+    out = _bench(server)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Successful requests:                     4         " in out.stdout.splitlines()
+
+
+def test_bench_serve_with_failing_requests_exits_non_zero(null_server) -> None:
+    _, server = null_server
+    out = _bench(server, "--model", "no-such-model")
+    assert out.returncode == 1
+    assert "Failed requests:                         4         " in out.stdout.splitlines()
+    assert (
+        "bench serve: 4 of 4 requests failed; the first error: HTTP 404: "
+        '{"error":{"message":"The model `no-such-model` does not exist."'
+    ) in out.stderr
+
+
+def test_bench_serve_names_a_tokenizer_it_cannot_read() -> None:
+    import argparse
+
+    from minivllm.frontend.bench.serve import tokenizer_dir
+
+    args = argparse.Namespace(tokenizer=None, model="served-name")
+    with pytest.raises(SystemExit, match="'/srv/models/x' .* is not readable here.*--tokenizer"):
+        tokenizer_dir(args, "/srv/models/x")

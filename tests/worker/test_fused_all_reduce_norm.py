@@ -3,7 +3,8 @@ ranks on 2 GPUs: bit-equal to all_reduce then fused_add_rms_norm (rms_norm witho
 residual), alike on both ranks, the inputs left as they were, interleaved with plain calls
 of changing sizes, back to back with one rank late, and in CUDA graphs replayed in changing
 orders; what the kernel declines goes to the plain all-reduce, then the norm (also without
-a GPU, through a communicator that declines the rows)."""
+a GPU, through a communicator that declines the rows). Without a GPU too: a decoder's fused
+ops (layers/fused.py) sum the row-parallel projections' partial sums in the next norm."""
 
 from __future__ import annotations
 
@@ -238,3 +239,67 @@ def test_rows_the_fused_kernel_declines_are_summed_then_normed() -> None:
     torch.testing.assert_close(normed, rms_norm(2 * x + residual, weight, EPS))
     normed, s = tp.all_reduce_add_rms_norm(x, None, weight, EPS)
     torch.testing.assert_close(normed, rms_norm(2 * x, weight, EPS))
+
+
+class _FusedTwiceX(_TwiceX):
+    """Takes the rows too, as the fused kernel would, counting the calls."""
+
+    def __init__(self) -> None:
+        self.fused_calls = 0
+
+    def fits_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return True
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fused_calls += 1
+        s = 2 * x if residual is None else 2 * x + residual
+        return rms_norm(s, weight, eps), s
+
+
+@pytest.mark.parametrize("comm", [_TwiceX, _FusedTwiceX])
+def test_a_decoder_sums_the_row_parallel_output_in_the_next_norm(comm: type) -> None:
+    """Under TP the row-parallel projections return their partial sums; the fused ops after
+    them sum over the ranks (through the fused kernel where it takes the rows), add the
+    residual, norm and project. The first layer's input, the embeddings, is not summed again."""
+    import torch.nn.functional as F
+
+    from minivllm.worker.layers.fused import (
+        all_reduce_add_rms_norm,
+        rms_norm_linear,
+        silu_mul_linear,
+    )
+    from minivllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from minivllm.worker.layers.norm import RMSNorm
+
+    tp = TPGroup(rank=0, size=2, fast_all_reduce=comm())  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    norm = RMSNorm(64, EPS)
+    norm.weight.copy_(1 + torch.randn(64, generator=gen) / 4)
+    proj = ColumnParallelLinear(64, 32, tp)
+    down = RowParallelLinear(128, 32, tp, reduce_results=False)  # [32, 64] on each rank
+    summed = RowParallelLinear(128, 32, tp)
+    for layer in (proj, down, summed):
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+
+    s = 2 * x + residual
+    got, new_residual = rms_norm_linear(x, residual, norm, proj, tp)
+    torch.testing.assert_close(new_residual, s)
+    torch.testing.assert_close(got, F.linear(rms_norm(s, norm.weight, EPS), proj.weight))
+    normed, new_residual = all_reduce_add_rms_norm(x, residual, norm, tp)
+    torch.testing.assert_close(normed, rms_norm(s, norm.weight, EPS))
+    torch.testing.assert_close(new_residual, s)
+    assert getattr(tp.fast_all_reduce, "fused_calls", 2) == 2
+
+    got, new_residual = rms_norm_linear(x, None, norm, proj, tp)  # the embeddings
+    assert new_residual is x
+    torch.testing.assert_close(got, F.linear(rms_norm(x, norm.weight, EPS), proj.weight))
+
+    torch.testing.assert_close(down(x), F.linear(x, down.weight))  # a partial sum
+    torch.testing.assert_close(summed(x), 2 * F.linear(x, summed.weight))
+    gate_up = torch.randn(3, 128, generator=gen)
+    act = F.silu(gate_up[:, :64]) * gate_up[:, 64:]
+    torch.testing.assert_close(silu_mul_linear(gate_up, down), F.linear(act, down.weight))
+    torch.testing.assert_close(silu_mul_linear(gate_up, summed), 2 * F.linear(act, summed.weight))

@@ -150,6 +150,37 @@ def test_decode_and_chunked_prefill_match_hf(checkpoints, arch: str) -> None:
         torch.testing.assert_close(logits, hf_logits(hf, seq)[-1:], atol=1e-4, rtol=1e-4)
 
 
+def test_llama_biases_from_the_config_match_hf(tmp_path) -> None:
+    """attention_bias (q/k/v and o_proj) and mlp_bias (gate/up/down) set in config.json reach
+    the layers: the logits equal transformers', and dummy weights carry the biases too."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(
+        str(tmp_path / "llama"), "llama", tie_word_embeddings=False, seed=4,
+        attention_bias=True, mlp_bias=True,
+    )  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:  # biases start at zero
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.3)
+    hf.save_pretrained(path, safe_serialization=True)
+    config = model_config(path)
+    model = load_model(config, torch.device("cpu"), TPGroup(), TorchAttentionBackend())
+    seqs = [(BLOCKS[i], 0, p) for i, p in enumerate(prompts())]
+    for ours, (_, _, tokens) in zip(
+        run_step(model, new_kv_caches(config), seqs), seqs, strict=True
+    ):
+        torch.testing.assert_close(ours, hf_logits(hf.eval(), tokens), atol=1e-4, rtol=1e-4)
+    dummy = load_model(
+        model_config(path, load_format="dummy"), torch.device("cpu"), TPGroup(),
+        TorchAttentionBackend(),
+    )  # fmt: skip
+    assert dummy.model.layers[0].mlp.down_proj.bias is not None
+
+
 def test_unknown_architecture_is_named(qwen3_dir: str) -> None:
     config = model_config(qwen3_dir)
     bad = dataclasses.replace(

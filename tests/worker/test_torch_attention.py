@@ -128,11 +128,12 @@ def test_attention_reads_the_one_forward_batch_in_scope() -> None:
     q, k, v = rand(6, NUM_HEADS, gen), rand(6, NUM_KV_HEADS, gen), rand(6, NUM_KV_HEADS, gen)
     layer = PagedAttention(0, TorchAttentionBackend(), SCALE)
     with pytest.raises(RuntimeError, match="outside a forward batch"):
-        layer(q, k, v)
+        layer.store_kv(k, v)
     kv_cache = torch.zeros(2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     with forward_batch(meta, [kv_cache]):
         with pytest.raises(RuntimeError, match="do not nest"), forward_batch(meta, [kv_cache]):
             pass
-        torch.testing.assert_close(layer(q, k, v), dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
+        layer.store_kv(k, v)
+        torch.testing.assert_close(layer(q), dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="outside a forward batch"):  # the scope has ended
-        layer(q, k, v)
+        layer(q)

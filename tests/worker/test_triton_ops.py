@@ -183,9 +183,94 @@ def check_sampler(sample_fn, device: str, draws: int = 2000) -> None:  # noqa: A
     torch.testing.assert_close(freq, (small / temp).softmax(-1), atol=atol, rtol=0)
 
 
+def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
+    """layers.fused.qk_norm_rope_store_kv against the ops one after another (the rotary
+    kernel, then the torch store) and against the layers it fuses, `rope(positions,
+    q_norm(q), k_norm(k))`: where Triton runs and the backend stores as the rotary
+    kernel does, one kernel rotates and stores; on the step that computes the FP8 scales, for
+    the torch backend, or without Triton, the rotation, then the backend's store (the scales
+    first, from the rotated keys). Each way, q, k, the cache and the scales come out alike."""
+    from minivllm.worker.attention.layer import PagedAttention, forward_batch
+    from minivllm.worker.attention.metadata import one_prompt_metadata
+    from minivllm.worker.attention.torch_attention import TorchAttentionBackend, store_kv
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+    from minivllm.worker.layers import fused
+    from minivllm.worker.layers.norm import RMSNorm
+    from minivllm.worker.layers.rotary import RotaryEmbedding
+    from minivllm.worker.ops._triton import use_triton
+    from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales
+
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hk, d, page = 6, 4, 2, 64, 4
+    rope = RotaryEmbedding(d, 64, {"rope_theta": 10000.0}).to(device)
+    norms = [RMSNorm(d, 1e-6, dtype).to(device) for _ in range(2)]
+    for norm in norms:
+        norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=gen))
+    positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    calls: list[bool] = []  # per rotary launch: whether it stored k and v
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(len(args) > 8 or "kv_cache" in kwargs)
+        return rotary.qk_norm_rope(*args, **kwargs)
+
+    cases = [  # backend, cache dtype, the step computes the FP8 scales, per-head norm
+        (TritonAttentionBackend(), dtype, False, True),
+        (TritonAttentionBackend(), dtype, False, False),
+        (TritonAttentionBackend(), FP8, False, True),
+        (TritonAttentionBackend(), FP8, True, True),
+        (TorchAttentionBackend(), dtype, False, True),
+    ]
+    fused.qk_norm_rope = spy
+    try:
+        for backend, cache_dtype, compute_scales, qk_norm in cases:
+            what = (type(backend).__name__, cache_dtype, compute_scales, qk_norm)
+            qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(device, dtype)
+            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            q, k, v = (x.unflatten(-1, (-1, d)) for x in (q, k, v))
+            cache = torch.zeros(2, 3, page, hk, d, dtype=cache_dtype, device=device)
+            attn = PagedAttention(0, backend, d**-0.5).to(device)
+            attn.kv_scale.copy_(torch.tensor([0.03, 0.02]))
+            meta = one_prompt_metadata(t, page, torch.device(device))
+            meta.slot_mapping[2] = -1
+            meta.compute_kv_scales = compute_scales
+
+            q_ref, k_ref = q.clone(), k.clone()
+            ref_cache, ref_scale = cache.clone(), attn.kv_scale.clone()
+            # what the fused op computes, by the layers one after another
+            q_layers, k_layers = q.clone(), k.clone()
+            if qk_norm:
+                q_layers, k_layers = norms[0](q_layers), norms[1](k_layers)
+            q_layers, k_layers = rope(positions, q_layers, k_layers)
+            weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
+            rotary.qk_norm_rope(
+                q_ref, k_ref, *weights, rope.cos_sin_cache, positions, 1e-6, qk_norm
+            )
+            if compute_scales:
+                calculate_kv_scales(k_ref, v, ref_scale)
+
+            calls.clear()
+            q_norm, k_norm = norms if qk_norm else (None, None)
+            with forward_batch(meta, [cache]):
+                got = fused.qk_norm_rope_store_kv(positions, q, k, v, q_norm, k_norm, rope, attn)
+            one_kernel = use_triton(q) and isinstance(backend, TritonAttentionBackend)
+            assert calls == [one_kernel and not compute_scales], (what, calls)
+            assert got[0] is q and got[1] is k
+            for got_x, ref, by_layers in ((q, q_ref, q_layers), (k, k_ref, k_layers)):
+                torch.testing.assert_close(got_x, ref, **tol, msg=lambda m, w=what: f"{w}: {m}")
+                torch.testing.assert_close(got_x, by_layers, **tol)
+            assert torch.equal(attn.kv_scale, ref_scale), what
+            # the rotated k and v at their slots, as the torch store writes them
+            store_kv(k, v, ref_cache, meta.slot_mapping, ref_scale)
+            assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)), what
+    finally:
+        fused.qk_norm_rope = rotary.qk_norm_rope
+
+
 def test_torch_paths_and_rope_cache() -> None:
     check_norm_and_activation("cpu", torch.float32)  # without the interpreter: torch paths
     check_qk_norm_rope("cpu", torch.float32, True)
+    check_qk_norm_rope_store_kv_op("cpu", torch.float32)
     check_sampler(sampling.sample_reference, "cpu")
     # the torch fallback rotates only; a KV store asked of it is refused, not dropped
     q, k, v = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
@@ -238,6 +323,7 @@ def test_triton_ops_gpu(dtype: torch.dtype) -> None:
     check_qk_norm_rope_kv_store("cuda", dtype, False, dtype)
     check_qk_norm_rope_kv_store("cuda", dtype, True, torch.bfloat16)
     check_qk_norm_rope_kv_store("cuda", dtype, True, torch.float8_e4m3fn)
+    check_qk_norm_rope_store_kv_op("cuda", dtype)
 
 
 @pytest.mark.gpu
@@ -302,6 +388,7 @@ if __name__ == "__main__":  # the interpreted run: python this_file.py CHECK...
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float16)
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float8_e4m3fn)
             check_qk_norm_rope_kv_store("cpu", torch.bfloat16, False, torch.float8_e4m3fn)
+            check_qk_norm_rope_store_kv_op("cpu", torch.float32)
         elif check == "sampler":
             check_sampler(sampling.sample, "cpu", draws=300)
         print("ok", check)

@@ -29,6 +29,8 @@ COMMANDS = {  # name (its module: the name with "_" for "-"): help
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from minivllm.frontend.arg_utils import HelpFormatter
+
     p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     for name, help in COMMANDS.items():
@@ -37,7 +39,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             name,
             help=help,
             description=module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if hasattr(module, "add_arguments"):
             module.add_arguments(cmd)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs, resolve_device
+from minivllm.config import EngineArgs, read_hf_config, resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
@@ -33,10 +31,25 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# engine args whose default differs in a benchmark: (default, help)
+_BENCH_DEFAULTS = {
+    "skip_tokenizer_init": (True, "no tokenizer: prompts are token ids (vLLM's benchmarks too)"),
+    "load_format": (None, "default: dummy (random weights) without --model, auto with it"),
+    "max_model_len": (
+        None,
+        "default: the model's; without --model, the workload's longest request (4096 at least)",
+    ),
+}
+
+
 def add_bench_args(parser: argparse.ArgumentParser, output_json: bool = True) -> None:
-    """--geometry, EngineArgs' flags (--model optional) and --output-json."""
+    """--geometry, EngineArgs' flags (--model optional; the defaults a benchmark uses) and
+    --output-json."""
     add_model_args(parser)
     add_engine_args(parser, model_required=False)
+    for action in parser._actions:
+        if action.dest in _BENCH_DEFAULTS:
+            action.default, action.help = _BENCH_DEFAULTS[action.dest]
     if output_json:
         parser.add_argument("--output-json", default=None, help="write the figures to this file")
 
@@ -58,11 +71,11 @@ def model_dir(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
 def bench_engine_args(
     args: argparse.Namespace, model: str, geometry: str | None, **overrides: Any
 ) -> EngineArgs:
-    """EngineArgs from the command line; a geometry gets dummy weights and token-id prompts
-    need no tokenizer (vLLM's benchmarks skip it too)."""
-    values: dict[str, Any] = {"model": model, "skip_tokenizer_init": True}
-    if geometry is not None:
-        values["load_format"] = "dummy"
+    """EngineArgs from the command line (`add_bench_args`' defaults): a geometry gets dummy
+    weights unless --load-format says otherwise."""
+    values: dict[str, Any] = {"model": model}
+    if args.load_format is None:
+        values["load_format"] = "auto" if geometry is None else "dummy"
     values.update(overrides)
     return engine_args_from(args, **values)
 
@@ -82,8 +95,7 @@ def start_llm(
 def max_token_id(model: str) -> int:
     """The largest id a random prompt may use: 10000 (vLLM's and the reference workload's
     range) unless the model's vocabulary is smaller."""
-    with open(os.path.join(model, "config.json")) as f:
-        return min(10000, int(json.load(f)["vocab_size"]) - 1)
+    return min(10000, int(read_hf_config(model)["vocab_size"]) - 1)
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:

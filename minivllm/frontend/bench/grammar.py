@@ -39,13 +39,15 @@ from minivllm.frontend.llm_engine import LLMEngine
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, help="the vocabulary grammars compile against")
     p.add_argument("--model", default=None, help="a checkpoint (default: a geometry, dummy)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto: CUDA when there is a GPU")
     p.add_argument("--rows", type=int, default=256, help="part 1: constrained requests")
     p.add_argument("--steps", type=int, default=50, help="part 1: steps timed")
     p.add_argument("--num-requests", type=int, default=256, help="part 2: the decoding batch")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--num-new-schemas", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=512, help="part 2: prompt tokens")
+    p.add_argument("--output-len", type=int, default=256, help="part 2: output tokens")
+    p.add_argument(
+        "--num-new-schemas", type=int, default=16, help="part 2: schemas compiled meanwhile"
+    )
     add_model_args(p)
 
 

@@ -22,7 +22,12 @@ rows: list[tuple[str, str, float, str]] = []
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", choices=["attention", "sampler", "ops"], default=None)
+    p.add_argument(
+        "--only",
+        choices=["attention", "sampler", "ops"],
+        default=None,
+        help="one group of kernels (default: all)",
+    )
 
 
 def bench(fn: Any) -> float:

@@ -28,12 +28,12 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--num-iters-warmup", type=int, default=10)
-    p.add_argument("--num-iters", type=int, default=30)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens of each request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens of each")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per batch")
+    p.add_argument("--num-iters-warmup", type=int, default=10, help="batches run untimed")
+    p.add_argument("--num-iters", type=int, default=30, help="batches timed")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     add_bench_args(p)
 
 

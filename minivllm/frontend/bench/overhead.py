@@ -57,9 +57,9 @@ class StreamResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--health-calls", type=int, default=2000)
+    p.add_argument("--num-requests", type=int, default=256, help="streams")
+    p.add_argument("--output-len", type=int, default=512, help="tokens of each")
+    p.add_argument("--health-calls", type=int, default=2000, help="utility round trips timed")
     p.add_argument("--skip-sync", action="store_true", help="skip the LLM.generate run")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy each process")
     p.add_argument("--output-json", default=None, help="write the figures to this file")

@@ -2,9 +2,12 @@
 and print vLLM's `bench serve` result table.
 
 Requests go to /v1/completions, streamed (`stream_options.include_usage`), with the prompt as
-token ids. They arrive as a Poisson process at --request-rate (default inf: all at once),
-at most --max-concurrency in flight. Several rates run one after another; --plot draws their
-latencies against the rate. --save-result writes vLLM's result JSON (one file per rate).
+token ids from the served model's vocabulary: its tokenizer is --tokenizer, else --model,
+else the served model's directory (/v1/models' `root`). They arrive as a Poisson process at
+--request-rate (default inf: all at once), at most --max-concurrency in flight. Several rates
+run one after another; --plot draws their latencies against the rate. --save-result writes
+vLLM's result JSON (one file per rate). A run where requests fail prints the first error and
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -33,46 +36,91 @@ from minivllm.frontend.bench.workloads import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
-    p.add_argument("--tokenizer", default=None, help="model directory for the vocabulary size")
-    p.add_argument("--dataset-name", choices=("random", "reference"), default="random")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--random-prefix-len", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")])
+    p.add_argument("--base-url", default=None, help="the server (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="the server's host")
+    p.add_argument("--port", type=int, default=8000, help="the server's port")
+    p.add_argument("--endpoint", default="/v1/completions", help="the path requests go to")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the served model name to ask for, and its tokenizer's directory unless "
+        "--tokenizer is given (default: the server's first model)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory of the model's tokenizer or config, for the vocabulary of random "
+        "prompts (default: --model, else the served model's directory, /v1/models' root)",
+    )
+    p.add_argument(
+        "--dataset-name",
+        choices=("random", "reference"),
+        default="random",
+        help="random prompts, or the reference workload",
+    )
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens of each")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths vary uniformly by this fraction around the above",
+    )
+    p.add_argument(
+        "--random-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="requests per second (inf: all at once); several: one run each",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent first, untimed")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="99")
-    p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-dir", default=None)
-    p.add_argument("--result-filename", default=None)
-    p.add_argument("--plot", default=None, metavar="FILE.png")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--ignore-eos", action="store_true", help="every request sets ignore_eos")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="the requests' temperature (default: the server's; the reference workload's "
+        f"{REFERENCE_TEMPERATURE} with --dataset-name reference)",
+    )
+    p.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help=f"metrics with percentiles, of {','.join(METRICS)}",
+    )
+    p.add_argument("--metric-percentiles", default="99", help="percentiles, comma-separated")
+    p.add_argument("--save-result", action="store_true", help="write vLLM's result JSON")
+    p.add_argument("--result-dir", default=None, help="where --save-result writes (default: here)")
+    p.add_argument(
+        "--result-filename",
+        default=None,
+        help="the result file's name (default: vLLM's, from the backend, rate and model)",
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="plot latencies against the rate"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a bearer token (default: OPENAI_API_KEY)",
+    )
 
 
-def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload, float | None]:
-    """The requests and the temperature to ask for (None: the server's default)."""
+def _workload(args: argparse.Namespace, root: str) -> tuple[Workload, float | None]:
+    """The requests and the temperature to ask for (None: the server's default); `root`:
+    the served model's directory."""
     if args.dataset_name == "reference":
         workload = reference_workload()
         if args.num_prompts < len(workload.prompts):
             workload = workload.subset(args.num_prompts)
         return workload, REFERENCE_TEMPERATURE if args.temperature is None else args.temperature
-    max_id = 10000
-    if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
-        max_id = max_token_id(model_dir)
-    else:
-        print("No --tokenizer directory: prompt ids drawn from 0..10000")
+    max_id = vocabulary_limit(tokenizer_dir(args, root))
     workload = random_workload(
         args.num_prompts,
         args.random_input_len,
@@ -83,6 +131,32 @@ def _workload(args: argparse.Namespace, model_dir: str | None) -> tuple[Workload
         args.random_range_ratio,
     )
     return workload, args.temperature
+
+
+def tokenizer_dir(args: argparse.Namespace, root: str) -> str:
+    """Where the served model's vocabulary is read: --tokenizer, else --model (when it is a
+    directory), else the server's model directory; SystemExit when none is readable here."""
+    if args.tokenizer is not None:
+        if not os.path.isdir(args.tokenizer):
+            raise SystemExit(f"bench serve: --tokenizer {args.tokenizer!r} is not a directory")
+        return args.tokenizer
+    for candidate in (args.model, root):
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    raise SystemExit(
+        f"bench serve: the served model's directory {root!r} (/v1/models' root) is not "
+        "readable here, and random prompts must use its vocabulary: pass --tokenizer DIR"
+    )
+
+
+def vocabulary_limit(directory: str) -> int:
+    """The largest id a random prompt may use: 10000 (vLLM's range) unless the model's
+    vocabulary (config.json's, else the tokenizer's) is smaller."""
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return max_token_id(directory)
+    from minivllm.frontend.tokenizer import load_tokenizer
+
+    return min(10000, len(load_tokenizer(directory)) - 1)
 
 
 def warmups(workload: Workload, n: int) -> Workload:
@@ -210,11 +284,23 @@ async def run_once(
         return list(results), time.perf_counter() - start
 
 
-def _first_model(base_url: str, api_key: str | None) -> str:
+def _first_model(base_url: str, api_key: str | None) -> tuple[str, str]:
+    """The server's first model: (its name, its `root`, the model it serves)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
     with urllib.request.urlopen(request) as response:
-        return json.load(response)["data"][0]["id"]
+        card = json.load(response)["data"][0]
+    return card["id"], card.get("root") or card["id"]
+
+
+def check_failures(results: list[RequestResult], what: str) -> None:
+    """SystemExit naming the first error when any request failed."""
+    failed = [r for r in results if not r.success]
+    if failed:
+        raise SystemExit(
+            f"bench serve: {len(failed)} of {len(results)} {what} failed; the first error: "
+            f"{failed[0].error}"
+        )
 
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -226,8 +312,9 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    model = args.model or _first_model(base_url, args.api_key)
-    workload, temperature = _workload(args, args.tokenizer or args.model)
+    first, root = _first_model(base_url, args.api_key)
+    model = args.model or first
+    workload, temperature = _workload(args, root)
     print(
         f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens at most; model {model!r} at {base_url}"
@@ -235,7 +322,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     url = base_url + args.endpoint
     if args.num_warmups:
         warm = warmups(workload, args.num_warmups)
-        uvloop.run(run_once(args, url, model, warm, temperature, float("inf")))
+        results, _ = uvloop.run(run_once(args, url, model, warm, temperature, float("inf")))
+        check_failures(results, "warm-up requests")
         print(f"Warmed up with {args.num_warmups} requests")
     arrivals = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     runs = []
@@ -258,6 +346,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.save_result:
             _save(args, result, model, rate)
         runs.append({**result, "request_rate": rate})
+        check_failures(results, "requests")
     if args.plot:
         plot(runs, metrics, percentiles, args.plot)
         print(f"Plot written to {args.plot}")

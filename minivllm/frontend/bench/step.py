@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num", type=int, default=256, help="decode: sequences per step")
     p.add_argument("--ctx", type=int, default=1000, help="decode: context tokens of each")
     p.add_argument("--prefill", type=int, default=0, help="time N-token prompts instead")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--profile-sort", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--steps", type=int, default=50, help="steps timed")
+    p.add_argument(
+        "--profile-sort", choices=["cuda", "cpu"], default="cuda", help="sort the profile by"
+    )
     p.add_argument(
         "--profile-trace", default=None, help="also write the profile as a Chrome trace (JSON)"
     )
@@ -88,7 +90,8 @@ class StepDriver:
             finished_req_ids=list(finished),
         )
         self.step_id += 1
-        return self.runner.execute_model_async(so)
+        self.runner.execute_model(so)
+        return self.runner.sample_tokens()
 
 
 def _gpu_ms(fn: Any, reps: int = 20) -> float:

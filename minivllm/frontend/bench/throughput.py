@@ -50,6 +50,7 @@ from minivllm.frontend.bench.workloads import (
     random_workload,
     reference_workload,
 )
+from minivllm.gguf_file import pretrained_args
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
@@ -81,11 +82,28 @@ class RunResult:
         return {prefix + name: getattr(self, name) for name in names}
 
 
+CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
+FIXED_DEFAULT_SHAPE = (1000, 1024, 128)  # what a fixed shape leaves out
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset-name", choices=["random"], default="random")
-    p.add_argument("--num-prompts", type=int, default=None, help="fixed shapes (default 1000)")
-    p.add_argument("--input-len", type=int, default=None, help="fixed shapes (default 1024)")
-    p.add_argument("--output-len", type=int, default=None, help="fixed shapes (default 128)")
+    p.add_argument(
+        "--dataset-name", choices=["random"], default="random", help="the prompts' source"
+    )
+    shapes = (
+        "default: the reference workload on a GPU, {cpu} on the CPU; {fixed} when another "
+        "of --num-prompts/--input-len/--output-len is given"
+    )
+    for flag, what, cpu, fixed in zip(
+        ("--num-prompts", "--input-len", "--output-len"),
+        ("requests", "prompt tokens of each", "output tokens of each"),
+        CPU_DEFAULT_SHAPE,
+        FIXED_DEFAULT_SHAPE,
+        strict=True,
+    ):
+        help = f"fixed shapes: {what} ({shapes.format(cpu=cpu, fixed=fixed)})"
+        p.add_argument(flag, type=int, default=None, help=help)
     p.add_argument(
         "--prefix-len", type=int, default=0, help="fixed shapes: a prefix shared by all prompts"
     )
@@ -94,7 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the reference workload even on the CPU (the GPU default)",
     )
-    p.add_argument("--temperature", type=float, default=REFERENCE_TEMPERATURE)
+    p.add_argument(
+        "--temperature", type=float, default=REFERENCE_TEMPERATURE, help="of every request"
+    )
     p.add_argument("--logprobs", type=int, default=None, help="logprobs of every request")
     p.add_argument(
         "--penalties",
@@ -112,12 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time plain and JSON-schema runs on one engine (needs a tokenizer)",
     )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
-    p.add_argument("--compare-num-prompts", type=int, default=64)
+    p.add_argument("--compare-num-prompts", type=int, default=64, help="requests transformers runs")
     add_bench_args(p)
-
-
-CPU_DEFAULT_SHAPE = (128, 256, 128)  # prompts, input tokens, output tokens
-PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}
 
 
 def sampling_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -142,7 +158,7 @@ def build_workload(args: argparse.Namespace, max_id: int = 10000, device: str = 
         return reference_workload()
     if fixed == (None,) * 3:
         fixed = CPU_DEFAULT_SHAPE
-    shape = [n or default for n, default in zip(fixed, (1000, 1024, 128), strict=True)]
+    shape = [n or default for n, default in zip(fixed, FIXED_DEFAULT_SHAPE, strict=True)]
     return random_workload(*shape, seed=args.seed, vocab_limit=max_id, prefix_len=args.prefix_len)
 
 
@@ -235,7 +251,8 @@ def run_hf(
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(model_dir)
+    name, kwargs = pretrained_args(model_dir)
+    config = AutoConfig.from_pretrained(name, **kwargs)
     # .to(dtype) rather than from_config's dtype keyword, whose name changed in transformers 5
     model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))

@@ -20,13 +20,15 @@ from minivllm.frontend.bench.geometry import write_geometry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--geometry", default="qwen3-8b")
-    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--geometry", default="qwen3-8b", help="the model shape (random weights)")
+    p.add_argument(
+        "--tp-sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes compared"
+    )
+    p.add_argument("--dtype", default="float32", help="the model's dtype")
+    p.add_argument("--device", default="auto", help="auto: CUDA when there is a GPU")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts generated")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens of each")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def main(args: argparse.Namespace) -> bool:

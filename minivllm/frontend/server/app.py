@@ -36,6 +36,7 @@ from minivllm.frontend.server.protocol import (
     ModelPermission,
     TokenizeRequest,
 )
+from minivllm.frontend.server.sampling import ServerDefaults
 from minivllm.protocol.messages import SchedulerStats
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PARAM_NAMES = frozenset(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
+_decode_keys = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_MAX_WARNED_FIELDS = 1024  # unknown field names remembered (each is warned about once)
 
 
 class ServerState:
@@ -55,6 +58,8 @@ class ServerState:
         chat_template: str | None = None,
         api_key: str | None = None,
         metrics: PrometheusStatLogger | None = None,
+        log_requests: bool = False,
+        max_log_len: int | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
@@ -62,9 +67,13 @@ class ServerState:
         self.chat_template = chat_template
         self.api_key = api_key
         self.metrics = metrics
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.max_token_id = engine.input_processor.max_token_id
+        self.sampling_defaults = ServerDefaults.of(engine.model_config)
+        self._warned_fields: set[str] = set()
 
     # ---------------------------------------------------------------- checks
 
@@ -117,9 +126,30 @@ class ServerState:
 
     def decode(self, body: bytes, kind: type[T]) -> T:
         try:
-            return msgspec.json.decode(body, type=kind)
+            request = msgspec.json.decode(body, type=kind)
         except msgspec.DecodeError as e:
             raise from_decode_error(e) from None
+        self._warn_unknown_fields(body, kind)
+        return request
+
+    def _warn_unknown_fields(self, body: bytes, kind: type) -> None:
+        """Fields the request has and `kind` does not are ignored, as in vLLM; each name is
+        logged once (a client that keeps sending it is not news)."""
+        unknown = _decode_keys(body).keys() - set(kind.__struct_fields__) - self._warned_fields
+        if not unknown or len(self._warned_fields) >= _MAX_WARNED_FIELDS:
+            return
+        self._warned_fields |= unknown
+        names = sorted(name[:100] for name in unknown)
+        logger.warning("The following fields were present in the request but ignored: %s", names)
+
+    def log_request(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """`--enable-log-requests`, vLLM's lines: the params at INFO, the prompt at DEBUG."""
+        if not self.log_requests:
+            return
+        logger.info("Received request %s: params: %s", request_id, params)
+        if logger.isEnabledFor(logging.DEBUG):
+            shown = ids if self.max_log_len is None else ids[: self.max_log_len]
+            logger.debug("Request %s details: prompt_token_ids: %s", request_id, shown)
 
     def json(self, payload: Any) -> Response:
         return Response(msgspec.json.encode(payload), media_type="application/json")

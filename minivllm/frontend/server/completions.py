@@ -35,9 +35,11 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     if request.best_of is not None and request.best_of != request.n:
         raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
     prompts = _prompts(state, request)
-    params = completion_sampling_params(request, request.stream)
+    params = completion_sampling_params(request, request.stream, state.sampling_defaults)
     state.check_params(params)
     request_id = state.request_id("cmpl")
+    for i, (_, ids) in enumerate(prompts):
+        state.log_request(f"{request_id}-{i}", ids, params)
     streams = [
         state.engine.generate(
             {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"

@@ -17,8 +17,9 @@ import urllib.request
 
 
 class ServerProcess(contextlib.AbstractContextManager):
-    """`python -m minivllm.frontend.cli serve ARGS --port 0`; `url` is where it listens.
-    Its stderr goes to `log_path` (or is discarded)."""
+    """`python -m minivllm.frontend.cli serve ARGS --host HOST --port 0`; `url` is where it
+    listens (HOST None: serve's default, all interfaces). Its stderr goes to `log_path` (or
+    is discarded)."""
 
     def __init__(
         self,
@@ -26,11 +27,22 @@ class ServerProcess(contextlib.AbstractContextManager):
         log_path: str | None = None,
         env: dict[str, str] | None = None,
         startup_timeout: float = 900.0,
+        host: str | None = "127.0.0.1",
     ) -> None:
         self.log_path = log_path
         log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        host_args = [] if host is None else ["--host", host]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minivllm.frontend.cli", "serve", *args, "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "minivllm.frontend.cli",
+                "serve",
+                *args,
+                *host_args,
+                "--port",
+                "0",
+            ],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -42,7 +54,8 @@ class ServerProcess(contextlib.AbstractContextManager):
         if "http://" not in line:
             self.stop()
             raise RuntimeError(f"minivllm serve did not start: {line!r}\n{self.read_log()}")
-        self.url = line.strip().rsplit(" ", 1)[-1]
+        # a server on every interface is reached here through loopback
+        self.url = line.strip().rsplit(" ", 1)[-1].replace("//0.0.0.0:", "//127.0.0.1:")
         self.wait_healthy(startup_timeout)
 
     def wait_healthy(self, timeout: float) -> None:

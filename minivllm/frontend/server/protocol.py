@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI API (and vLLM's extra request fields).
 
-Requests decode with msgspec: a field of the wrong type is a 400 naming the field, unknown
-fields are ignored (as vLLM does). Responses encode with msgspec; fields OpenAI always sends
-are sent even when null.
+Requests decode with msgspec: a field of the wrong type is a 400 naming the field; unknown
+fields are ignored, as vLLM does, with a warning naming each once (`app.py`). Responses
+encode with msgspec; fields OpenAI always sends are sent even when null.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older spellings of structured_outputs' json, regex, choice and grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -8,8 +8,8 @@ number of API processes may attach to one daemon, each with its own port.
 from __future__ import annotations
 
 import argparse
+import codecs
 import logging
-import os
 import socket
 import sys
 
@@ -20,31 +20,50 @@ from minivllm.process_utils import freeze_startup_heap
 logger = logging.getLogger(__name__)
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_JINJA_CHARS = "{}\n"  # vLLM: a --chat-template without any of these is a file's path
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from minivllm.frontend.arg_utils import add_engine_args
+    from minivllm.frontend.arg_utils import HelpFormatter, add_engine_args
 
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model_tag", nargs="?", default=None, help="model directory (or --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: all interfaces, as vLLM; 127.0.0.1 keeps the "
+        "server to this machine)",
+    )
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    p.add_argument("--api-key", default=envs.api_key())
+    p.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="clients must send `Authorization: Bearer KEY` (default: MINIVLLM_API_KEY, else none)",
+    )
     p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
         help="names the model answers to; the first is reported (default: the model path)",
     )
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template: a file, or the template itself (text with {, } or a "
+        "newline); default: the tokenizer's",
+    )
     p.add_argument(
         "--connect",
         default=None,
         metavar="ADDRESS[,ADDRESS...]",
-        help="attach to a daemon (several: requests routed over them)",
+        help="attach to a daemon (several: requests routed over them) instead of starting "
+        "an engine; the model's files are not needed here",
     )
     p.add_argument(
         "--curve-server-key",
@@ -58,22 +77,69 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="and this client's secret key (NAME.key_secret, from `minivllm keygen`)",
     )
-    p.add_argument("--disable-log-stats", action="store_true")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line and no engine metrics on /metrics",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's id and sampling params (at DEBUG also its prompt ids)",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="vLLM's older spelling of --no-enable-log-requests",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="prompt ids logged per request at most (default: all)",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )
+    p.add_argument(
+        "--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS, help="uvicorn's"
+    )
     add_engine_args(p, model_required=False)
     p.set_defaults(func=run_server)
 
 
-def _chat_template(value: str | None) -> str | None:
-    """A file's contents, or the value itself when it is not a file (an inline template)."""
-    if value is None or not os.path.isfile(value):
-        return value
-    with open(value) as f:
-        return f.read()
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's rule: a file's contents; a value that cannot be opened is the template itself
+    if it has a Jinja character ({, } or a newline), else a path that failed (ValueError)."""
+    if value is None:
+        return None
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(
+                f"--chat-template: {value!r} looks like a file path, but it failed to be "
+                f"opened: {e.strerror or e}"
+            ) from None
+    return codecs.decode(value, "unicode_escape")  # as vLLM: "\\n" in a shell is a newline
 
 
-def build_state(args: argparse.Namespace):
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    """A server any host can reach, with no key, serves anyone: say so at start-up."""
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        where = f"on {host}" if host else "on all interfaces (no --host)"
+        logger.warning(
+            "minivllm serve listens %s with no --api-key: anyone who can reach this port can "
+            "use the model. Pass --api-key KEY, or --host 127.0.0.1 to serve this machine only.",
+            where,
+        )
+
+
+def build_state(args: argparse.Namespace, chat_template: str | None = None):
     """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
     from minivllm.frontend.async_llm import AsyncLLM
     from minivllm.frontend.dp_client import attach_client, make_client
@@ -92,8 +158,16 @@ def build_state(args: argparse.Namespace):
                 curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
             except (TypeError, ValueError) as e:
                 raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
-        client = attach_client(args.connect.split(","), curve, asynchronous=True)
-        model_config = client.engine_config().model
+        # the daemon sends its model config and tokenizer, unless --tokenizer names one here
+        tokenizer = args.tokenizer
+        client = attach_client(
+            args.connect.split(","), curve, asynchronous=True, has_tokenizer=bool(tokenizer)
+        )
+        try:
+            model_config, loaded = client.attached_model(tokenizer)
+        except BaseException:
+            client.shutdown()
+            raise
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
         from minivllm.frontend.arg_utils import engine_args_from
@@ -106,38 +180,53 @@ def build_state(args: argparse.Namespace):
         except ValueError as e:
             raise SystemExit(f"minivllm serve: {e}") from None
         model_config, device = config.model, config.device.device
-        client = make_client(config, asynchronous=True)
+        client, loaded = make_client(config, asynchronous=True), None
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
         metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
         loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
-    engine = AsyncLLM(model_config, client, loggers)
-    return ServerState(engine, names, _chat_template(args.chat_template), args.api_key, metrics)
+    engine = AsyncLLM(model_config, client, loggers, loaded)
+    return ServerState(
+        engine,
+        names,
+        chat_template,
+        args.api_key,
+        metrics,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+    )
 
 
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGINT or SIGTERM. Whatever fails during the start stops what was
     started (the engine, once it is up) and exits non-zero with a line naming the cause."""
     configure_process_logging("api-server")
-    # bound before anything starts, so a port in use fails fast and port 0 can be reported
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as e:
+        raise SystemExit(f"minivllm serve: {e}") from None
+    # bound before anything starts, so a port in use fails fast and port 0 can be reported;
+    # no --host binds every IPv4 interface, as vLLM does
+    host = args.host or ""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, args.port))
     except OSError as e:
-        raise SystemExit(f"minivllm serve: cannot listen on {args.host}:{args.port}: {e}") from None
+        raise SystemExit(f"minivllm serve: cannot listen on {host}:{args.port}: {e}") from None
+    _warn_if_open(host, args.api_key)
     state = None
     try:
         try:
-            state = build_state(args)
+            state = build_state(args, chat_template)
             server = _uvicorn_server(args, state)
         except Exception as e:
             logger.debug("start-up failed", exc_info=True)
             raise SystemExit(f"minivllm serve: could not start: {type(e).__name__}: {e}") from None
         port = sock.getsockname()[1]
-        url = f"http://{args.host}:{port}"
-        print(f"minivllm serve: model {state.model_name!r} at {url}", flush=True)
+        shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
+        print(f"minivllm serve: model {state.model_name!r} at http://{shown}:{port}", flush=True)
         server.run(sockets=[sock])  # uvicorn's lifespan stops the engine when it ends
     finally:
         if state is not None:

@@ -13,9 +13,9 @@ class AttentionBackend(Protocol):
     """Stores a step's keys/values into a layer's paged cache, and attends over the cache.
 
     The attention layer (layer.py) calls `store_kv`, then `forward`; where `store_kv` is
-    `triton_attention.store_kv_cache`, it may have the rotary kernel do the same writes in
-    its own pass instead. `kv_scale` (float32 [2]: the layer's k and v scales) is read only
-    by an FP8 cache (ops/kv_cache.py), which needs it."""
+    `triton_attention.store_kv_cache`, the rotary kernel may do the same writes in its own
+    pass instead (`layers.fused.qk_norm_rope_store_kv`). `kv_scale` (float32 [2]: the layer's
+    k and v scales) is read only by an FP8 cache (ops/kv_cache.py), which needs it."""
 
     def store_kv(
         self,

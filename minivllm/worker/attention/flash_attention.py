@@ -4,7 +4,7 @@ The KV cache layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` alread
 flash-attn's paged layout `[num_blocks, page_block_size, nheads_k, headdim]` in each half, so
 the kernels read our blocks in place through `block_table`. Per layer and step, after the
 step's k/v rows went into the cache at `slot_mapping` (Triton's store kernel, `store_kv`, or
-the layer's rotary kernel in its pass):
+the rotary kernel in its pass, `layers.fused.qk_norm_rope_store_kv`):
   1. decode sequences (one query token each) go through `flash_attn_with_kvcache`, which picks
      a split-KV count for short batches of long contexts;
   2. the other sequences go through `flash_attn_varlen_func` over the paged cache. flash-attn

@@ -1,8 +1,8 @@
 """Triton paged attention: KV store, decode (optionally split-KV or cascade) and prefill.
 
 Per layer and step, `store_kv_cache` (ops/kv_cache.py, the backend's `store_kv`) writes
-this step's k/v rows into the paged cache at `slot_mapping` (unless the layer's rotary
-kernel does it in its own pass, see layer.py); then `forward` launches:
+this step's k/v rows into the paged cache at `slot_mapping` (unless the rotary kernel does
+it in its own pass, `layers.fused.qk_norm_rope_store_kv`); then `forward` launches:
   1. `_decode_kernel` for sequences 0..num_decodes-1 (one query token each): one program per
      (sequence, kv head, split); the GQA q heads of a kv head form one `tl.dot` tile (rows
      padded to 16). With several splits each program covers a slice of the key tiles and

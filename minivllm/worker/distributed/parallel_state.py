@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,14 +67,6 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
-
-
-class PartialSum(NamedTuple):
-    """A row-parallel layer's output before its sum over the TP ranks, which its consumer
-    does: the next RMSNorm, in the same kernel as its residual add and norm."""
-
-    partial: torch.Tensor
-    tp: TPGroup
 
 
 def init_tp_group(

@@ -1,10 +1,11 @@
 """Tensor-parallel linear layers (Megatron style).
 
 Column-parallel layers split the output features across ranks and need no communication;
-row-parallel layers split the input features and leave partial sums to all-reduce. A
-column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down) thus costs
-one all-reduce. Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
-copies this rank's slice of a checkpoint tensor into it.
+row-parallel layers split the input features, so each rank's product is a partial sum to
+all-reduce. A column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down)
+thus costs one all-reduce, which a decoder leaves to the norm after it (`reduce_results`).
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
+rank's slice of a checkpoint tensor into it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.worker.distributed.parallel_state import PartialSum, TPGroup, divide
+from minivllm.worker.distributed.parallel_state import TPGroup, divide
 from minivllm.worker.layers.weights import Loaded, copy_checked, default_weight_loader, narrow
-from minivllm.worker.ops.gemv import RowPrologue, linear
+from minivllm.worker.ops.gemv import linear
 
 
 def _param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
@@ -58,7 +59,7 @@ class _SplitLinear(nn.Module):
 class ColumnParallelLinear(_SplitLinear):
     """y = x W^T + b with W's output rows split across ranks: each rank returns its part."""
 
-    def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
@@ -139,12 +140,29 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_SplitLinear):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
-    output of a column-parallel layer). With TP the result is this rank's partial product
-    (rank 0's carrying the bias), a `PartialSum` that its consumer sums over the ranks: the
-    next RMSNorm, in the same kernel as its residual add and norm."""
+    output of a column-parallel layer). Each rank's product is a partial sum (rank 0's
+    carrying the bias), summed over the ranks here, or with `reduce_results=False` returned as
+    it is, for the op after it to sum (a decoder's next norm: `fused.all_reduce_add_rms_norm`)."""
 
     split_dim = 1
 
-    def forward(self, x: torch.Tensor | RowPrologue) -> torch.Tensor | PartialSum:
-        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        return PartialSum(y, self.tp) if self.tp.size > 1 else y
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPGroup,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__(input_size, output_size, tp, bias, params_dtype)
+        self.reduce_results = reduce_results and tp.size > 1
+
+    @property
+    def rank_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds: rank 0 alone, so that the partial sums add up to one."""
+        return self.bias if self.tp.rank == 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight, self.rank_bias)
+        return self.tp.all_reduce(y) if self.reduce_results else y

@@ -1,8 +1,8 @@
-"""Rotary position embedding (NeoX / HF rotate_half layout), with Qwen3's per-head q/k norm."""
+"""Rotary position embedding (NeoX / HF rotate_half layout)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,38 +26,12 @@ def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, params
 
 
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over each attention head's vector (Qwen3's q_norm and k_norm). The rotary
-    embedding after it applies it, in the same pass as the rotation (one kernel on CUDA): x
-    comes back as `HeadNormed`."""
-
-    def __init__(self, head_dim: int, eps: float, params_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(head_dim, dtype=params_dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> HeadNormed:
-        return HeadNormed(x, self.weight, self.eps)
-
-
-class HeadNormed(NamedTuple):
-    """q or k [T, heads, head_dim] still to be normed per head with `weight`."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-QK = torch.Tensor | HeadNormed
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token positions, from one table of cos|sin for every
-    position up to max_positions, float32, built once and shared by all layers. q and k given
-    as `HeadNormed` are normed per head first, in the same pass.
+    position up to max_positions, float32, built once and shared by all layers.
 
-    On CUDA the rotation is left to the attention layer, as a `PendingRotation`: one kernel
-    there norms, rotates and writes k and v into the KV cache."""
+    A decoder rotates inside `layers.fused.qk_norm_rope_store_kv`, which reads
+    `cos_sin_cache` (and may norm each head first and store k and v in the same kernel)."""
 
     def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -68,40 +42,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: QK, k: QK
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[PendingRotation, PendingRotation]:
-        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
-        pending = PendingRotation(positions, q, k, self.cos_sin_cache)
-        if (q.x if isinstance(q, HeadNormed) else q).is_cuda:
-            return pending, pending
-        return pending.apply()
-
-
-class PendingRotation(NamedTuple):
-    """q and k still to be rotated at `positions` (see RotaryEmbedding); both at once."""
-
-    positions: torch.Tensor
-    q: QK
-    k: QK
-    cos_sin_cache: torch.Tensor
-
-    def apply(
-        self,
-        v: torch.Tensor | None = None,
-        kv_cache: torch.Tensor | None = None,
-        slot_mapping: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norms (for `HeadNormed`) and rotates q and k in place and returns them. Given v,
-        kv_cache and slot_mapping (and an FP8 cache's kv_scale), the rotated k and v also go
-        into kv_cache at slot_mapping in the same pass, as `ops.rotary.qk_norm_rope`
-        describes."""
-        q, k = self.q, self.k
-        store = (v, kv_cache, slot_mapping, kv_scale)
-        if not isinstance(q, HeadNormed):
-            qk_norm_rope(q, k, None, None, self.cos_sin_cache, self.positions, 0.0, False,
-                         *store)  # fmt: skip
-            return q, k
-        qk_norm_rope(q.x, k.x, q.weight, k.weight, self.cos_sin_cache, self.positions, q.eps,
-                     True, *store)  # fmt: skip
-        return q.x, k.x
+        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]: rotated in place
+        and returned."""
+        qk_norm_rope(q, k, None, None, self.cos_sin_cache, positions, 0.0, False)
+        return q, k

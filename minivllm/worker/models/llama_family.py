@@ -4,12 +4,18 @@ They share pre-norm blocks of GQA attention with rotary embeddings and a SwiGLU 
 differs is a `DecoderVariant`: Qwen2 adds a bias to q/k/v, Qwen3 RMS-normalizes each
 query/key head before the rotation. Parameter names follow HF's, except that q/k/v and
 gate/up are stacked into `qkv_proj` and `gate_up_proj` so each is one matmul.
+
+Where one kernel does the work of several, the model calls that fused op by name
+(layers/fused.py, which decides when the kernel can run): each norm runs inside the
+projection after it and, under TP, sums the row-parallel projection before it over the ranks;
+the per-head norm, the rotation and the KV-cache store are one kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,27 +26,56 @@ from minivllm.worker.attention.kv_scales import KVScaleLoader
 from minivllm.worker.attention.layer import PagedAttention, forward_batch
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.distributed.parallel_state import TPGroup
-from minivllm.worker.layers.activation import SiluAndMul
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.worker.layers.fused import (
+    all_reduce_add_rms_norm,
+    qk_norm_rope_store_kv,
+    rms_norm_linear,
+    silu_mul_linear,
+)
 from minivllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from minivllm.worker.layers.norm import RMSNorm
-from minivllm.worker.layers.rotary import HeadRMSNorm, RotaryEmbedding
+from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded, default_weight_loader
 
 
 @dataclass(frozen=True)
 class DecoderVariant:
-    """What sets one architecture of the family apart."""
+    """What sets one architecture of the family apart: every knob the layers read. The
+    registry gives each architecture its own; `for_checkpoint` adds those that config.json
+    sets, so the layers read nothing else of it but the geometry."""
 
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2; Llama and Qwen3 with attention_bias
+    o_proj_bias: bool = False  # Llama and Qwen3 with attention_bias
+    mlp_bias: bool = False  # Llama with mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix
+
+    def for_checkpoint(self, hf_config: dict[str, Any]) -> DecoderVariant:
+        """This architecture's variant with the knobs of a checkpoint's config.json."""
+        act = hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu'")
+        attention_bias = bool(hf_config.get("attention_bias", False))
+        return replace(
+            self,
+            qkv_bias=self.qkv_bias or attention_bias,
+            # Qwen2's q/k/v always carry a bias, its o_proj never does
+            o_proj_bias=self.o_proj_bias or (attention_bias and not self.qkv_bias),
+            mlp_bias=self.mlp_bias or bool(hf_config.get("mlp_bias", False)),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        )
 
 
 class Attention(nn.Module):
+    """Self-attention from its qkv projection on (the decoder layer runs qkv_proj, fused with
+    the norm before it): per-head q/k norm (Qwen3), rotary, the KV-cache store, paged
+    attention, and o_proj, whose output under TP is this rank's partial sum."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -52,16 +87,14 @@ class Attention(nn.Module):
         rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        hf = config.hf_config
-        hidden, head_dim = int(hf["hidden_size"]), config.head_dim
-        bias = variant.qkv_bias or bool(hf.get("attention_bias", False))
+        hidden, head_dim = int(config.hf_config["hidden_size"]), config.head_dim
         self.qkv_proj = QKVParallelLinear(
             hidden,
             head_dim,
             config.num_attention_heads,
             config.num_kv_heads,
             tp,
-            bias=bias,
+            bias=variant.qkv_bias,
             params_dtype=params_dtype,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -70,65 +103,92 @@ class Attention(nn.Module):
             config.num_attention_heads * head_dim,
             hidden,
             tp,
-            bias=bool(hf.get("attention_bias", False)) and not variant.qkv_bias,
+            bias=variant.o_proj_bias,
             params_dtype=params_dtype,
+            reduce_results=False,  # summed by the next norm
         )
         self.rotary_emb = rotary_emb  # shared by all layers
-        eps = float(hf["rms_norm_eps"])
-        self.q_norm = HeadRMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
-        self.k_norm = HeadRMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        eps = float(config.hf_config["rms_norm_eps"])
+        self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
         self.attn = PagedAttention(layer_idx, backend, scale=head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """positions [T]; qkv [T, q_size + 2 * kv_size] -> [T, hidden]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        q, k = qk_norm_rope_store_kv(
+            positions, q, k, v, self.q_norm, self.k_norm, self.rotary_emb, self.attn
+        )
+        o = self.attn(q)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, params_dtype: torch.dtype) -> None:
+    """SwiGLU from its gate_up projection on (the decoder layer runs gate_up_proj, fused with
+    the norm before it): down_proj(silu(gate) * up), under TP this rank's partial sum."""
+
+    def __init__(
+        self, config: ModelConfig, variant: DecoderVariant, tp: TPGroup, params_dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        hf = config.hf_config
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; only 'silu'")
-        hidden, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
-        bias = bool(hf.get("mlp_bias", False))
+        hidden, inter = (
+            int(config.hf_config["hidden_size"]),
+            int(config.hf_config["intermediate_size"]),
+        )
+        bias = variant.mlp_bias
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
         )
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, params_dtype=params_dtype)
+        self.down_proj = RowParallelLinear(
+            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * intermediate] -> [T, hidden]."""
+        return silu_mul_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: h + attn(norm(h)), then h + mlp(norm(h)). The residual stream h travels beside
+    the layer's output, so that each norm adds it in its own kernel (under TP also summing the
+    output over the ranks) and runs inside the projection after it."""
+
     def __init__(
-        self, config: ModelConfig, tp: TPGroup, params_dtype: torch.dtype, self_attn: Attention
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        layer_idx: int,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        params_dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
-        self.self_attn = self_attn
-        self.mlp = MLP(config, tp, params_dtype)
-        self.input_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype, feeds_linear=True)
+        self.tp = tp
+        self.self_attn = Attention(
+            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
+        )
+        self.mlp = MLP(config, variant, tp, params_dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output (with TP a `PartialSum`), or for the first layer
-        (residual None) the embeddings. Returns this layer's output and the residual stream,
-        carried separately so each norm can fuse the add (and, with TP, the sum over ranks)."""
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
-        return hidden, residual
+        """hidden: the previous layer's output (under TP this rank's partial sum), or, with
+        residual None, the embeddings. Returns this layer's output, alike, and the residual
+        stream."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = rms_norm_linear(
+            hidden, residual, self.input_layernorm, attn.qkv_proj, self.tp
+        )
+        hidden = attn(positions, qkv)
+        gate_up, residual = rms_norm_linear(
+            hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, self.tp
+        )
+        return mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
@@ -142,20 +202,20 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
-        layers = []
-        for i in range(config.num_layers):
-            attn = Attention(config, variant, i, tp, backend, params_dtype, rotary_emb)
-            layers.append(DecoderLayer(config, tp, params_dtype, attn))
-        self.layers = nn.ModuleList(layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb)
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = all_reduce_add_rms_norm(hidden, residual, self.norm, self.tp)
         return hidden
 
 
@@ -182,7 +242,7 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.tie_word_embeddings = bool(config.hf_config.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = variant.tie_word_embeddings
         self.model = DecoderModel(config, variant, tp, attn_backend, params_dtype)
         hidden = int(config.hf_config["hidden_size"])
         self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)

@@ -20,7 +20,8 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVariant]:
-    """The model class and variant for config, or ValueError naming what is supported."""
+    """The model class and the variant of config's checkpoint, or ValueError naming what is
+    not supported."""
     arch = config.architecture
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -35,4 +36,5 @@ def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVa
             f"{arch} uses sliding-window attention ({sliding} tokens), which is not "
             f"supported; set max_model_len <= {sliding}"
         )
-    return _ARCHITECTURES[arch]
+    model_cls, variant = _ARCHITECTURES[arch]
+    return model_cls, variant.for_checkpoint(hf)

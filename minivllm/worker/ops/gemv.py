@@ -13,9 +13,9 @@ cost as much as their work. Two prologues remove them: every program recomputes 
 new residual stream), or SiLU(gate) * up of the gate_up output. The values fed to the dot
 are rounded to the activation dtype exactly as the separate kernels round what they store.
 
-`linear` is what the layers call: the GEMV for one 16-bit CUDA row, with the prologue its
-input brings as a `RowPrologue` (which the norm and activation layers hand over instead of
-running their own kernel); cuBLAS (or the CPU) for anything else.
+`linear` is what the linear layers call: the GEMV for one 16-bit CUDA row, cuBLAS (or the
+CPU) for anything else. The fused ops that run a prologue (`layers/fused.py`:
+`rms_norm_linear`, `silu_mul_linear`) ask `row_gemv_config` whether the GEMV takes their row.
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker.ops._triton import HAS_TRITON, pdl, tl, triton, wait_for_producers
-from minivllm.worker.ops.activation import silu_and_mul, silu_mul
-from minivllm.worker.ops.norm import (
-    add_residual,
-    fused_add_rms_norm,
-    rms_norm,
-    rms_scale,
-    row_rstd,
-)
+from minivllm.worker.ops._triton import pdl, tl, triton, use_triton, wait_for_producers
+from minivllm.worker.ops.activation import silu_mul
+from minivllm.worker.ops.norm import add_residual, rms_scale, row_rstd
 
 # what the kernel computes x from
 _PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -183,60 +177,26 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Te
 
 
 def one_gpu_row(x: torch.Tensor) -> bool:
-    """Whether x is a row the GEMV takes: one 16-bit CUDA row (batch-1 decode), where it reads
-    W at 1.2-2 TB/s and cuBLAS's 8-row GEMM tiles get less (19 against 25 µs per Qwen3-0.6B
-    layer on an H100)."""
+    """Whether x is a row the GEMV takes: one 16-bit row where Triton runs (a CUDA row in batch-1
+    decode; the interpreter's CPU rows in tests), where it reads W at 1.2-2 TB/s and cuBLAS's
+    8-row GEMM tiles get less (19 against 25 µs per Qwen3-0.6B layer on an H100)."""
     return (
-        HAS_TRITON
-        and x.is_cuda
-        and x.dim() == 2
+        x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
+        and use_triton(x)
         and x.stride(1) == 1
     )
 
 
-def _config_for(x: torch.Tensor, w: torch.Tensor, k: int) -> GemvConfig | None:
+def row_gemv_config(x: torch.Tensor, w: torch.Tensor, k: int) -> GemvConfig | None:
     """The GEMV config for x [1, *] @ w^T (K = k) when the GEMV takes it, else None."""
     if not (one_gpu_row(x) and w.stride(1) == 1 and w.shape[1] == k):
         return None
     return gemv_config(w.shape[0], k)
 
 
-class RowPrologue(NamedTuple):
-    """A linear layer's one-row input not computed yet, left to `linear`: its GEMV computes it
-    in the prologue (one kernel instead of two) where it takes the weight, else `compute()`
-    runs it first. Either rms_norm(x + residual) * norm_weight, whose `new_residual` then
-    receives x + residual (x itself without a residual), or, without a norm_weight,
-    silu(x[:, :d]) * x[:, d:]."""
-
-    x: torch.Tensor
-    norm_weight: torch.Tensor | None = None
-    eps: float = 0.0
-    residual: torch.Tensor | None = None
-    new_residual: torch.Tensor | None = None
-
-    def compute(self) -> torch.Tensor:
-        if self.norm_weight is None:
-            return silu_and_mul(self.x)
-        if self.residual is None:
-            return rms_norm(self.x, self.norm_weight, self.eps)
-        return fused_add_rms_norm(
-            self.x, self.residual, self.norm_weight, self.eps, self.new_residual
-        )[0]
-
-
-def linear(
-    x: torch.Tensor | RowPrologue, w: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x w^T + bias: the GEMV (with x's prologue) for one row on CUDA, cuBLAS otherwise."""
-    if isinstance(x, RowPrologue):
-        silu = x.norm_weight is None
-        cfg = _config_for(x.x, w, x.x.shape[-1] // (2 if silu else 1)) if bias is None else None
-        if cfg is None:
-            return linear(x.compute(), w, bias)
-        if silu:
-            return gemv_silu_mul(x.x, w, cfg)
-        return gemv_rms_norm(x.x, x.residual, x.norm_weight, x.eps, w, cfg, x.new_residual)
-    cfg = _config_for(x, w, x.shape[-1]) if bias is None else None
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x w^T + bias: the GEMV for one row on CUDA, cuBLAS otherwise."""
+    cfg = row_gemv_config(x, w, x.shape[-1]) if bias is None else None
     return gemv(x, w, cfg) if cfg is not None else F.linear(x, w, bias)
