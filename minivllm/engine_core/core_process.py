@@ -86,7 +86,11 @@ class EngineCoreProc:
         self.output_sock, self.output_address = transport.bind_socket(
             self.ctx, zmq.ROUTER, output_address, max_message_bytes=MAX_CONTROL_BYTES, curve=curve
         )
-        self.engine_core = EngineCore(config)
+        try:
+            self.engine_core = EngineCore(config)
+        except BaseException:
+            self._close_sockets(linger_ms=0)
+            raise
         self.input_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.stop_reason: str | None = None
@@ -163,12 +167,17 @@ class EngineCoreProc:
         try:
             self.engine_core.shutdown()
         finally:
-            self.input_sock.close(linger=0)
             # the bounded linger lets the death notice above reach the clients
-            self.output_sock.close()
-            if self.authenticator is not None:
-                self.authenticator.stop()
-            self.ctx.term()
+            self._close_sockets(linger_ms=None)
+
+    def _close_sockets(self, linger_ms: int | None) -> None:
+        """Close both sockets (the output one with `linger_ms`; None: its own bounded one)
+        and the context."""
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=linger_ms)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.term()
 
     # ------------------------------------------------------------------ I/O threads
 

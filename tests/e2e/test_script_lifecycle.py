@@ -23,6 +23,7 @@ from tests.tiny_models import build_null_checkpoint
 
 STARTUP_S = 120  # a script's whole run, engine start included, on a busy CPU machine
 EXIT_S = 10  # from a script's last output to its exit
+STOP_S = 10  # from one SIGINT to the end of every process (about 1 s on an idle machine)
 
 
 def _readme_scripts() -> list[str]:
@@ -141,7 +142,7 @@ def test_one_sigint_during_generate_ends_everything(
     took = time.monotonic() - sent
     assert "FINISHED" not in run.stdout, "generate ended before the signal: not tested"
     assert code == -signal.SIGINT  # Python's exit after an uncaught KeyboardInterrupt
-    assert took < 5.0, f"{took:.1f} s after the signal"
+    assert took < STOP_S, f"{took:.1f} s after the signal"
     assert run.stderr.count("Traceback") == 1, run.stderr  # the script's, no child's
     assert run.stderr.rstrip().endswith("KeyboardInterrupt")
     _assert_nothing_left(run, run_dir_root)
