@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,7 +192,6 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
     the torch backend, or without Triton, the rotation, then the backend's store (the scales
     first, from the rotated keys). Each way, q, k, the cache and the scales come out alike."""
     from minivllm.worker.attention.layer import PagedAttention, forward_batch
-    from minivllm.worker.attention.metadata import one_prompt_metadata
     from minivllm.worker.attention.torch_attention import TorchAttentionBackend, store_kv
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
     from minivllm.worker.layers import fused
@@ -199,6 +199,7 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
     from minivllm.worker.layers.rotary import RotaryEmbedding
     from minivllm.worker.ops._triton import use_triton
     from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales
+    from minivllm.worker.step_buffers import StepBuffers
 
     gen = torch.Generator().manual_seed(5)
     t, hq, hk, d, page = 6, 4, 2, 64, 4
@@ -231,7 +232,8 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
             cache = torch.zeros(2, 3, page, hk, d, dtype=cache_dtype, device=device)
             attn = PagedAttention(0, backend, d**-0.5).to(device)
             attn.kv_scale.copy_(torch.tensor([0.03, 0.02]))
-            meta = one_prompt_metadata(t, page, torch.device(device))
+            buffers = StepBuffers(1, t, 3, page, torch.device(device))
+            meta = buffers.one_prompt(np.zeros(t, dtype=np.int64))
             meta.slot_mapping[2] = -1
             meta.compute_kv_scales = compute_scales
 
