@@ -59,7 +59,10 @@ class ModelRunner:
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
-        self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
+        self.long_rope_threshold = config.scheduler.long_rope_threshold
+        self.batch = InputBatch(
+            max_seqs, max_len, self.max_blocks_per_req, self.long_rope_threshold
+        )
         self.buffers = StepBuffers(
             max_seqs, config.scheduler.max_num_batched_tokens, self.max_blocks_per_req, device
         )
@@ -293,6 +296,8 @@ class ModelRunner:
             starts = np.repeat(computed - cu[:-1], q_lens)
             positions = starts + np.arange(total)
         h.positions[:total] = positions
+        if self.long_rope_threshold is not None:  # the model reads positions as rotary rows
+            h.positions[:total] += b.rope_row_offset[tok_rows]
         h.input_ids[:total] = b.token_ids[tok_rows, positions]
         h.slot_mapping[:total] = b.block_table[tok_rows, positions // bs] * bs + positions % bs
         h.seq_lens[:n] = seq_lens
