@@ -355,7 +355,10 @@ class EngineArgs:
             eos_token_ids=_eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
         )
-        rope_config.rotary_dim(model_cfg.head_dim, rope_config.rope_parameters(hf_config))
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
+        )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(

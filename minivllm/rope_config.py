@@ -21,13 +21,21 @@ _REQUIRED_KEYS = {
 }
 # types that scale from the length the model was pretrained at
 _WITH_ORIGINAL_LEN = ("llama3", "yarn", "longrope")
+# what the engine config reads of a config with rope settings per layer type
+GLOBAL_LAYER_TYPE = "full_attention"
 
 
 def max_position_embeddings(hf_config: dict[str, Any]) -> int:
     return int(hf_config.get("max_position_embeddings") or 2048)
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+def _per_layer_type(rope: dict[str, Any]) -> bool:
+    """transformers 5 nests rope_parameters by layer type where layers differ (Gemma 3:
+    {"sliding_attention": {...}, "full_attention": {...}})."""
+    return bool(rope) and all(isinstance(v, dict) or v is None for v in rope.values())
+
+
+def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
     """The rope settings of config.json in one dict, completed as transformers completes
     them: `rope_type`, `rope_theta`, `partial_rotary_factor`, the type's own keys, and for
     llama3, yarn and longrope `original_max_position_embeddings` (config.json's top-level
@@ -37,8 +45,16 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     Either layout: transformers 5's `rope_parameters`, or a top-level `rope_theta` with
     `rope_scaling`, which wins where both are given, as in transformers (an override of
     rope_scaling, vLLM's way to turn YaRN on, over a config that transformers 5 saved). A type
-    not supported, or a key its type needs that is missing, is a ValueError naming them."""
+    not supported, or a key its type needs that is missing, is a ValueError naming them.
+    Nested by layer type, the settings of `layer_type` (ValueError without one)."""
     saved = hf_config.get("rope_parameters") or {}
+    if _per_layer_type(saved):
+        if layer_type is None:
+            raise ValueError(
+                f"rope_parameters are given per layer type ({', '.join(saved)}): "
+                "the rotary embedding must name its layers' type"
+            )
+        saved = saved.get(layer_type) or {}
     params = dict(hf_config.get("rope_scaling") or saved)
     legacy_type = params.pop("type", None)  # the older spelling of rope_type
     rope_type = params.get("rope_type") or legacy_type or "default"
@@ -91,7 +107,12 @@ def max_len_with_scaling(hf_config: dict[str, Any]) -> int:
     factor; llama3 and longrope checkpoints give the scaled length as max_position_embeddings
     already. Dynamic NTK stays at max_position_embeddings: transformers rescales its
     frequencies with the length of each sequence past it, which a paged KV cache (keys
-    rotated once) cannot follow, and up to it the frequencies are the default ones."""
+    rotated once) cannot follow, and up to it the frequencies are the default ones. A config
+    with rope settings per layer type (Gemma 3) states its scaled length as
+    max_position_embeddings too (vLLM does not scale it again)."""
+    if _per_layer_type(hf_config.get("rope_parameters") or {}):
+        rope_parameters(hf_config, GLOBAL_LAYER_TYPE)  # still refuses a kind not supported
+        return max_position_embeddings(hf_config)
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     if rope_type == "linear":
@@ -105,7 +126,7 @@ def long_rope_threshold(hf_config: dict[str, Any], max_model_len: int) -> int | 
     """LongRoPE's switch: the length past which a sequence is rotated with the long factors,
     every token of it (its original_max_position_embeddings), as transformers does; None for
     other rope types and where no sequence can grow past it (max_model_len at most that)."""
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, GLOBAL_LAYER_TYPE)
     if params["rope_type"] != "longrope":
         return None
     threshold = params["original_max_position_embeddings"]

@@ -108,6 +108,29 @@ def test_config_layouts_and_phi3_spellings() -> None:
         rope_parameters({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
 
 
+def test_settings_per_layer_type() -> None:
+    """transformers 5 nests rope_parameters by layer type where layers differ (Gemma 3):
+    each layer type's rotary reads its own; none named is refused rather than guessed."""
+    hf = {
+        "max_position_embeddings": 256,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    }
+    local = RotaryEmbedding(16, 256, hf, "sliding_attention").cos_sin_cache
+    torch.testing.assert_close(local, RotaryEmbedding(16, 256, {"rope_theta": 1e4}).cos_sin_cache)
+    full = RotaryEmbedding(16, 256, hf, "full_attention").cos_sin_cache
+    scaled = {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1e6}
+    torch.testing.assert_close(full, RotaryEmbedding(16, 256, scaled).cos_sin_cache)
+    with pytest.raises(ValueError, match="per layer type .*sliding_attention, full_attention"):
+        RotaryEmbedding(16, 256, hf)
+    # the scaled length is max_position_embeddings already: not scaled again
+    from minivllm.rope_config import max_len_with_scaling
+
+    assert max_len_with_scaling(hf) == 256
+
+
 def test_unknown_rope_type_is_refused_naming_the_supported_ones(
     tiny_models: dict[str, str],
 ) -> None:

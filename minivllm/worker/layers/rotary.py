@@ -25,9 +25,17 @@ class RotaryEmbedding(nn.Module):
     A decoder rotates inside `layers.fused.qk_norm_rope_store_kv`, which reads
     `cos_sin_cache` (and may norm each head first and store k and v in the same kernel)."""
 
-    def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        hf_config: dict[str, Any],
+        layer_type: str | None = None,
+    ) -> None:
+        """`layer_type` picks the settings of those layers where config.json gives them per
+        layer type (Gemma 3's "sliding_attention" and "full_attention")."""
         super().__init__()
-        rope = rope_parameters(hf_config)
+        rope = rope_parameters(hf_config, layer_type)
         self.rotary_dim = rotary_dim(head_dim, rope)
         table = build_cos_sin_cache(
             max_positions,
