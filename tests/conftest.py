@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Paths of tiny random checkpoints: qwen3 (tied), qwen3-untied, qwen2, llama (sharded)."""
+    """Paths of tiny random checkpoints: qwen3 (tied), qwen3-untied, qwen2, llama (sharded),
+    qwen3_moe (layer 1 dense: mlp_only_layers) and mixtral (sharded)."""
     root = tmp_path_factory.mktemp("models")
     return {
         "qwen3": build_checkpoint(str(root / "qwen3"), "qwen3", tie_word_embeddings=True),
@@ -31,6 +32,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": build_checkpoint(
             str(root / "llama"), "llama", tie_word_embeddings=False, seed=3, max_shard_size="100KB"
         ),
+        "qwen3_moe": build_checkpoint(
+            str(root / "qwen3_moe"),
+            "qwen3_moe",
+            tie_word_embeddings=False,
+            seed=5,
+            num_layers=3,
+            mlp_only_layers=[1],
+        ),  # fmt: skip
+        "mixtral": build_checkpoint(
+            str(root / "mixtral"),
+            "mixtral",
+            tie_word_embeddings=False,
+            seed=6,
+            max_shard_size="200KB",
+        ),  # fmt: skip
     }
 
 

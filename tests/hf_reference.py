@@ -21,24 +21,30 @@ def parity_prompts(seed: int = 0) -> list[list[int]]:
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # `generate` would stop at EOS (or, with min_new_tokens, never pick it): take it as any
+    # other token, as `ignore_eos` does
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Token ids transformers' `generate` picks greedily, EOS ignored."""
+    outs = _hf_greedy(path, tuple(tuple(p) for p in prompts), max_new_tokens)
+    return [list(o) for o in outs]
+
+
+@functools.lru_cache(maxsize=32)  # several tests compare against the same generations
+def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int) -> tuple:
     model = _hf_model(path)
     outs = []
     with torch.no_grad():
         for p in prompts:
             out = model.generate(
-                torch.tensor([p]),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
+                torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
             )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
+            outs.append(tuple(out[0, len(p) :].tolist()))
+    return tuple(outs)
 
 
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:

@@ -42,6 +42,8 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
+    "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors; dummy: random weights of its shape",
     "device": "auto: CUDA when there is a GPU, else the CPU",
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids, outputs carry no text",

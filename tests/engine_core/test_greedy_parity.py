@@ -37,7 +37,9 @@ def run_core(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list
     return [got[str(i)] for i in range(len(prompts))], stats
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3-untied", "qwen2", "llama"])
+@pytest.mark.parametrize(
+    "model", ["qwen3", "qwen3-untied", "qwen2", "llama", "qwen3_moe", "mixtral"]
+)
 def test_greedy_matches_transformers(tiny_models: dict[str, str], model: str) -> None:
     path = tiny_models[model]
     prompts = parity_prompts()
@@ -58,10 +60,14 @@ def test_greedy_matches_transformers(tiny_models: dict[str, str], model: str) ->
         ),
     ],
 )
-def test_greedy_matches_transformers_under_pressure(qwen3_dir: str, engine_kwargs: dict) -> None:
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "mixtral"])
+def test_greedy_matches_transformers_under_pressure(
+    tiny_models: dict[str, str], model: str, engine_kwargs: dict
+) -> None:
+    path = tiny_models[model]
     prompts = parity_prompts()
-    expected = hf_greedy(qwen3_dir, prompts, MAX_TOKENS)
-    got, stats = run_core(qwen3_dir, prompts, **engine_kwargs)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    got, stats = run_core(path, prompts, **engine_kwargs)
     assert got == expected
     if "num_gpu_blocks_override" in engine_kwargs:
         assert stats["num_preemptions"] >= 2

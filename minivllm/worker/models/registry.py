@@ -11,6 +11,8 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "MistralForCausalLM": (CausalLM, DecoderVariant()),
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "Qwen3MoeForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "MixtralForCausalLM": (CausalLM, DecoderVariant(norm_topk_prob=True)),
     "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
@@ -30,7 +32,8 @@ def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVa
         )
     hf = config.hf_config
     sliding = hf.get("sliding_window")
-    uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    mistral = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+    uses_sliding = hf.get("use_sliding_window", mistral)
     if uses_sliding and sliding and config.max_model_len > int(sliding):
         raise ValueError(
             f"{arch} uses sliding-window attention ({sliding} tokens), which is not "
