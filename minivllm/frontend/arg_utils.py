@@ -57,7 +57,7 @@ HELP = {
     "(processed) penalties, bias and temperature",
     "hf_overrides": "JSON object merged over the model's config.json",
     "trust_remote_code": "accepted for vLLM's command lines; no remote code is ever run: "
-    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral) load",
+    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral) load",
     "revision": "refused with an error: models load from local directories, which have no "
     "revisions",
     "quantization": "weight quantization; supported: "

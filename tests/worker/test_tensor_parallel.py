@@ -18,12 +18,22 @@ from tests.hf_reference import hf_greedy, parity_prompts
 from tests.process_helpers import spawned_children, wait_gone
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama"])
-def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "expert_parallel"),
+    [
+        ("qwen3", False),
+        ("llama", False),
+        ("qwen3_moe", False),  # each expert sliced along its intermediate dimension
+        ("qwen3_moe", True),  # whole experts per rank
+        ("mixtral", False),
+        ("mixtral", True),
+    ],
+)
+def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str, expert_parallel: bool) -> None:
     path = tiny_models[model]
     prompts = parity_prompts()[:5]
     expected = hf_greedy(path, prompts, 10)
-    llm = LLM(path, dtype="float32", tensor_parallel_size=2)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
         core = spawned_children(os.getpid())[-1]
         assert len(spawned_children(core)) == 2, "one worker process per rank"
