@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults
+from minivllm.gguf_file import gguf_hf_config, is_gguf_path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
-_LOAD_FORMATS = ("auto", "dummy")
+_LOAD_FORMATS = ("auto", "dummy", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
@@ -20,9 +21,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantization methods the model loader implements (none yet): add a name here and its
+# quantization methods the model loader implements: add a name here and its
 # loading in worker/, and --quantization accepts it
-QUANTIZATION_METHODS: tuple[str, ...] = ()
+QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)  # a GGUF file's, dequantized at load
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
     "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
@@ -174,6 +175,28 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_hf_config(model: str) -> dict[str, Any]:
+    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
+    if is_gguf_path(model):
+        return gguf_hf_config(model)
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model: no config.json in {model!r}")
+    return _read_json(config_path)
+
+
+def _resolve_load_format(model: str, load_format: str, quantization: str | None) -> str:
+    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
+    weights of its geometry); "gguf", as load_format or quantization, needs one."""
+    gguf = is_gguf_path(model)
+    for name, value in (("load_format", load_format), ("quantization", quantization)):
+        if value == "gguf" and not gguf:
+            raise ValueError(f"{name}='gguf' needs model to be a GGUF file, got {model!r}")
+    if gguf and quantization not in (None, "gguf"):
+        raise ValueError(f"quantization={quantization!r}: a GGUF file's quantization is 'gguf'")
+    return "gguf" if gguf and load_format == "auto" else load_format
+
+
 def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
     gen_path = os.path.join(model_dir, "generation_config.json")
     eos: Any = None
@@ -283,7 +306,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a directory with config.json")
+            raise ValueError("model must name a directory with config.json or a GGUF file")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         for name, choices in ENGINE_ARG_CHOICES.items():
             if getattr(self, name) not in choices:
@@ -358,10 +381,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {self.model!r}")
-        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -389,6 +409,7 @@ class EngineArgs:
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
+            load_format=_resolve_load_format(self.model, self.load_format, self.quantization),
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,

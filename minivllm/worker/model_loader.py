@@ -13,6 +13,7 @@ from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
 from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.dummy_weights import dummy_weights
+from minivllm.worker.gguf_loader import iter_gguf_weights
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import CausalLM
 from minivllm.worker.models.registry import resolve_architecture
@@ -29,8 +30,9 @@ def load_model(
 
     load_format "auto" reads the HF safetensors checkpoint (one file or sharded with an
     index), each rank reading only its slices; "dummy" loads random weights of the real
-    geometry the same way (see dummy_weights.py), deterministic from model_config.seed.
-    With expert_parallel a mixture of experts gives each rank whole experts.
+    geometry the same way (see dummy_weights.py), deterministic from model_config.seed;
+    "gguf" dequantizes the tensors of a GGUF file (see gguf_loader.py). With
+    expert_parallel a mixture of experts gives each rank whole experts.
     """
     model_cls, variant = resolve_architecture(model_config)
     variant = replace(variant, expert_parallel=expert_parallel)
@@ -44,6 +46,8 @@ def load_model(
                 model.load_weights(dummy_weights(model_config, variant, device, dtype))
         elif model_config.load_format == "auto":
             model.load_weights(iter_safetensors(model_config.model))
+        elif model_config.load_format == "gguf":
+            model.load_weights(iter_gguf_weights(model_config.model, model_config.hf_config))
         else:
             raise ValueError(f"unknown load_format {model_config.load_format!r}")
     return model.eval()
