@@ -111,10 +111,11 @@ def check_fused_experts(
 
 
 def check_tile_configs() -> None:
-    """Decode takes blocks of 16 slots, prefill larger tiles."""
-    assert moe_tile_config(256, 8, 128).block_m == 16  # 16 slots per expert
-    assert moe_tile_config(1, 8, 128).block_m == 16
+    """Decode takes blocks of 32 slots, prefill larger tiles; float32 half as deep ones."""
+    assert moe_tile_config(256, 8, 128).block_m == 32  # 16 slots per expert
+    assert moe_tile_config(1, 8, 128).block_m == 32
     assert moe_tile_config(8192, 8, 128).block_m == 128
+    assert moe_tile_config(256, 8, 128, dtype_bytes=4).block_k == 64
 
 
 SMALL_CONFIGS = [None, MoETileConfig(16, 32, 32, 4, 2), MoETileConfig(32, 16, 16, 4, 2)]

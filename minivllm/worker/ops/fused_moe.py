@@ -39,18 +39,23 @@ class MoETileConfig(NamedTuple):
     num_stages: int
 
 
-def moe_tile_config(num_tokens: int, top_k: int, num_experts: int) -> MoETileConfig:
-    """Tiles by the slots an expert gets on average: decode (a few per expert) pads each
-    expert's slots to one block of 16, so its weights are read once with little wasted
-    work; prefill takes tiles that reuse each weight tile over many rows."""
+def moe_tile_config(
+    num_tokens: int, top_k: int, num_experts: int, dtype_bytes: int = 2
+) -> MoETileConfig:
+    """Tiles by the slots an expert gets on average: decode (up to a few dozen per expert)
+    pads each expert's slots to one or two blocks of 32, so its weights are read once with
+    little wasted work; prefill takes tiles that reuse each weight tile over many rows.
+    Float32 halves BLOCK_K, so the pipeline's stages fit in shared memory. (On an H200, at
+    Qwen3-30B-A3B's 256-token decode, the decode tiles read the experts at 4.0 TB/s in
+    gate_up and 3.5 TB/s in down; see benchmarks/RESULTS.md.)"""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
-        return MoETileConfig(16, 64, 128, 4, 4)
     if per_expert <= 48:
-        return MoETileConfig(32, 64, 128, 4, 4)
-    if per_expert <= 192:
-        return MoETileConfig(64, 128, 64, 4, 3)
-    return MoETileConfig(128, 128, 64, 8, 3)
+        cfg = MoETileConfig(32, 128, 128, 4, 3)
+    elif per_expert <= 192:
+        cfg = MoETileConfig(64, 128, 64, 4, 3)
+    else:
+        cfg = MoETileConfig(128, 128, 64, 8, 3)
+    return cfg._replace(block_k=cfg.block_k * 2 // dtype_bytes)
 
 
 @triton.jit
@@ -144,7 +149,7 @@ def fused_experts(
     num_tokens, hidden = x.shape
     local, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = config or moe_tile_config(num_tokens, top_k, num_experts)
+    cfg = config or moe_tile_config(num_tokens, top_k, num_experts, x.element_size())
     x = x.contiguous()
     blocks = align_to_blocks(topk_ids, local, cfg.block_m, first_expert)
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
@@ -166,7 +171,7 @@ def fused_experts_torch(
 ) -> torch.Tensor:
     """`fused_experts` in torch: for each local expert with slots, in expert order (as
     transformers sums them), its tokens' rows through gate_up, SiLU * up and down, times the
-    routing weights, added into the output."""
+    routing weights, added into the output (in float32, rounded once)."""
     num_tokens, top_k = topk_ids.shape
     local = w13.shape[0]
     ids = topk_ids.reshape(-1).long() - first_expert
@@ -174,7 +179,7 @@ def fused_experts_torch(
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=local + 1)[:local].tolist()
     weights = topk_weights.reshape(-1)
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -184,5 +189,5 @@ def fused_experts_torch(
         tokens = slots // top_k
         h = silu_and_mul_torch(F.linear(x.index_select(0, tokens), w13[e]))
         y = F.linear(h, w2[e]) * weights[slots, None]
-        out.index_add_(0, tokens, y.to(x.dtype))
-    return out
+        out.index_add_(0, tokens, y.float())
+    return out.to(x.dtype)
