@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults
+from minivllm import generation_defaults, rope_config
 from minivllm.gguf_file import gguf_hf_config, is_gguf_path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -131,6 +131,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     max_model_len: int
     async_scheduling: bool
+    # LongRoPE (Phi-3's long variants): a sequence longer than this is rotated with the long
+    # factors, every token of it, so its KV differs from a shorter sequence's of the same
+    # tokens: its blocks hash apart, and a sequence that grows past it is computed again
+    # (rope_config.long_rope_threshold; None: no such switch)
+    long_rope_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -390,12 +395,14 @@ class EngineArgs:
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
 
-        derived_max = int(hf_config.get("max_position_embeddings") or 2048)
+        derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
+            scaled = derived_max != rope_config.max_position_embeddings(hf_config)
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({derived_max})"
+                + ("context with its rope scaling" if scaled else "max_position_embeddings")
+                + f" ({derived_max})"
             )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -415,6 +422,10 @@ class EngineArgs:
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
+        )
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
@@ -442,6 +453,7 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
+                long_rope_threshold=rope_config.long_rope_threshold(hf_config, max_model_len),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None

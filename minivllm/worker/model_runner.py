@@ -73,7 +73,10 @@ class ModelRunner:
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
-        self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
+        self.long_rope_threshold = config.scheduler.long_rope_threshold
+        self.batch = InputBatch(
+            max_seqs, max_len, self.max_blocks_per_req, self.long_rope_threshold
+        )
         self.buffers = StepBuffers(
             max_seqs,
             config.scheduler.max_num_batched_tokens,
