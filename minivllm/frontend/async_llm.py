@@ -41,8 +41,11 @@ class AsyncLLM:
         client: AsyncMPClient | DPAsyncClient,
         stat_loggers: list[StatLogger] | None = None,
         tokenizer: Tokenizer | None = None,
+        client_index: int = 0,
     ) -> None:
-        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`)."""
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`).
+        `client_index`: this frontend's index among the API processes of one server (vLLM's
+        name), which keeps their request ids apart."""
         self.client = client
         self._tasks: list[asyncio.Task] = []  # the output handler, once started
         self._release = on_release(self, _shutdown, client, self._tasks)
@@ -52,7 +55,7 @@ class AsyncLLM:
             if tokenizer is None and not model_config.skip_tokenizer_init:
                 tokenizer = load_tokenizer(model_config.tokenizer)
             self.tokenizer = tokenizer
-            self.input_processor = InputProcessor(model_config, self.tokenizer)
+            self.input_processor = InputProcessor(model_config, self.tokenizer, client_index)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
             self._release()

@@ -26,7 +26,11 @@ class InputProcessor:
     """Turns prompts into engine-core requests; every bad input is a `ValueError` that names
     the parameter at fault, raised before anything reaches the engine."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Tokenizer | None, client_index: int = 0
+    ) -> None:
+        """`client_index`: this frontend's index among the API processes of one server,
+        which makes its internal ids differ from theirs for certain."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
@@ -40,8 +44,9 @@ class InputProcessor:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids = eos
         # Internal ids must be unique per engine, and several frontends may share one
-        # engine-core: a random salt per frontend plus a counter makes them so.
-        self._salt = secrets.token_hex(4)
+        # engine-core: a salt per frontend (its index among a server's API processes, before
+        # the one "." of the id's last part, and a random part) plus a counter makes them so.
+        self._salt = f"{client_index:x}.{secrets.token_hex(4)}"
         self._counter = itertools.count()
 
     def make_internal_id(self, user_request_id: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
@@ -25,8 +26,17 @@ logger = logging.getLogger("minivllm.stats")
 class LoggingStatLogger:
     """Accumulates token counts between `log()` calls and prints vLLM's stats line."""
 
-    def __init__(self, kv_cache_device: str = "GPU", engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        kv_cache_device: str = "GPU",
+        engine_index: int = 0,
+        totals: Callable[[], tuple[float, float]] | None = None,
+    ) -> None:
+        """`totals`: the prompt tokens computed and the tokens generated so far by every API
+        process of the server, when this one logs for all (else its own are counted)."""
         self.prefix = f"Engine {engine_index:03d}: "
+        self.totals = totals
+        self.last_totals = totals() if totals is not None else (0.0, 0.0)
         self.kv_cache_device = kv_cache_device
         self.last_log_time = time.monotonic()
         self.num_prompt_tokens = 0
@@ -51,6 +61,13 @@ class LoggingStatLogger:
     def log(self) -> None:
         now = time.monotonic()
         elapsed = max(now - self.last_log_time, 1e-9)
+        if self.totals is not None:
+            totals, last = self.totals(), self.last_totals
+            self.last_totals = totals
+            self.num_prompt_tokens, self.num_generation_tokens = (
+                totals[0] - last[0],
+                totals[1] - last[1],
+            )
         throughputs = (self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed)
         idle = not any(throughputs + self.last_throughputs)
         self.last_throughputs = throughputs

@@ -1,31 +1,23 @@
 """Prometheus metrics under vLLM's names, labels (`model_name`, `engine`) and histogram
 buckets, so dashboards built for vLLM (its published Grafana dashboard) work unchanged.
 
-Each logger owns a registry (with the process, platform and GC collectors that a default
-registry has); `generate_latest(logger.registry)` is the body of `/metrics`.
+Each logger owns a registry; `generate_latest(logger.registry)` is the body of `/metrics`.
+Its numbers live in a `MetricValues` (series.py): alone, the registry also has the process,
+platform and GC collectors a default registry has; as one of several API processes of a
+server (`shared_dir`), it reports the sum over all of them, and the per-process collectors
+(whose numbers do not add up) are left out, as in prometheus-client's multiprocess mode.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-)
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from minivllm.frontend.metrics.series import Family, Histogram, SlotCollector
+from minivllm.frontend.metrics.shared_values import Aggregate, MetricValues
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
-
-M = TypeVar("M", Gauge, Counter)
 
 # vLLM's bucket boundaries (vllm/v1/metrics/buckets.py)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0)
@@ -47,123 +39,135 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
     return [step for step in steps if step <= max_model_len]
 
 
-class Histogram(Collector):
-    """A histogram with one label set, exported like prometheus-client's. Observing is a
-    bisect and two additions: the inter-token latency is observed for every token streamed,
-    and prometheus-client's histogram (a lock and a linear scan) costs four times as much.
-    Observed and scraped on the event loop's thread only."""
+class PrometheusStatLogger:
+    """Sets vLLM's gauges, counters and histograms from the collector's stats. With
+    `shared_dir`, this is one API process of several: its numbers go to a file there, and
+    its registry reports all of theirs (shared_values.py)."""
 
     def __init__(
         self,
-        name: str,
-        documentation: str,
-        labels: dict[str, str],
-        buckets: Sequence[float],
-        registry: CollectorRegistry,
+        model_name: str,
+        max_model_len: int,
+        engine_index: int = 0,
+        shared_dir: str | None = None,
     ) -> None:
-        self.name, self.documentation, self.labels = name, documentation, labels
-        self.bounds = [float(b) for b in buckets]
-        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
-        self.sum = 0.0
-        registry.register(self)
+        self.registry = CollectorRegistry(auto_describe=True)
+        alone = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
+        for collector in alone if shared_dir is None else (PLATFORM_COLLECTOR,):
+            self.registry.register(collector)
+        self.values = MetricValues(shared_dir)
+        self.collector = SlotCollector(self.values)
+        self.labels = {"model_name": model_name, "engine": str(engine_index)}
+        self._engine_metrics()
+        self._token_metrics()
+        self._histograms(request_tokens_buckets(max_model_len))
+        self.registry.register(self.collector)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    # ------------------------------------------------------------------ definitions
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
-        bounds = [*map(str, self.bounds), "+Inf"]
-        buckets = list(zip(bounds, itertools.accumulate(self.counts), strict=True))
-        family.add_metric(list(self.labels.values()), buckets, self.sum)
-        yield family
+    def _family(self, kind, name: str, doc: str, aggregate: Aggregate, **label) -> Family:
+        """A gauge or counter; `label`: one more label, `key=its values`."""
+        ((key, values),) = label.items() if label else ((None, ()),)
+        family = Family(kind, name, doc, self.labels, self.values, aggregate, key, values)
+        self.collector.metrics.append(family)
+        return family
 
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        histogram = Histogram(name, doc, self.labels, buckets, self.values)
+        self.collector.metrics.append(histogram)
+        return histogram
 
-class PrometheusStatLogger:
-    """Sets vLLM's gauges, counters and histograms from the collector's stats."""
-
-    def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
-        self.registry = registry = CollectorRegistry(auto_describe=True)
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            registry.register(collector)
-        labels = {"model_name": model_name, "engine": str(engine_index)}
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, list(labels), registry=registry).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, list(labels), registry=registry).labels(**labels)
-
-        def by_label(kind: type[M], name: str, doc: str, **label: Sequence[str]) -> dict[str, M]:
-            """A gauge or counter with one more label (`label=its values`): its child per
-            value, by value."""
-            ((key, values),) = label.items()
-            family = kind(name, doc, [*labels, key], registry=registry)
-            return {v: family.labels(**labels, **{key: v}) for v in values}
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets, registry)
-
-        self.running = gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self.waiting = gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        )
-        self.kv_cache_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self.prefix_cache_queries = counter(
+    def _engine_metrics(self) -> None:
+        """The engine's state, as every API process hears of it: the latest report, and
+        its cumulative counters (not summed over the processes that follow them)."""
+        gauge, latest = GaugeMetricFamily, Aggregate.LATEST
+        counter, cumulative = CounterMetricFamily, Aggregate.MAX
+        self.running = self._family(
+            gauge,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            latest,
+        ).only()
+        self.waiting = self._family(
+            gauge,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            latest,
+        ).only()
+        self.kv_cache_usage = self._family(
+            gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", latest
+        ).only()
+        self.prefix_cache_queries = self._family(
+            counter,
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-        )
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.preemptions = counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
-        )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
-        )
-        # every waiting request waits for capacity (nothing here defers one), the prefix
-        # cache is on the device, and the engine never sleeps: vLLM's breakdowns, constant
-        self.waiting_by_reason = by_label(
-            Gauge,
+            cumulative,
+        ).only()
+        self.prefix_cache_hits = self._family(
+            counter,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            cumulative,
+        ).only()
+        self.preemptions = self._family(
+            counter,
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            cumulative,
+        ).only()
+        # every waiting request waits for capacity (nothing here defers one), and the engine
+        # never sleeps: vLLM's breakdowns, constant
+        self.waiting_by_reason = self._family(
+            gauge,
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason.",
+            latest,
             reason=("capacity", "deferred"),
         )
-        self.prompt_tokens_cached_by_source = by_label(
-            Counter,
+        sleep_state = self._family(
+            gauge,
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 1 means the engine is awake.",
+            Aggregate.MAX,
+            sleep_state=("awake", "weights_offloaded", "discard_all"),
+        )
+        sleep_state.child("awake").set(1)
+
+    def _token_metrics(self) -> None:
+        """What this process's requests did: summed over the API processes."""
+        counter, total = CounterMetricFamily, Aggregate.SUM
+
+        def count(name: str, doc: str, **label) -> Family:
+            return self._family(counter, name, doc, total, **label)
+
+        self.prompt_tokens = count(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).only()
+        self.prompt_tokens_cached = count(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ).only()
+        # the prefix cache is on the device
+        self.prompt_tokens_cached_by_source = count(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them.",
             source=("device",),
         )
-        sleep_state = by_label(
-            Gauge,
-            "vllm:engine_sleep_state",
-            "Engine sleep state; awake = 1 means the engine is awake.",
-            sleep_state=("awake", "weights_offloaded", "discard_all"),
-        )
-        sleep_state["awake"].set(1)
-        self.prompt_tokens_by_source = by_label(
-            Counter,
+        self.prompt_tokens_by_source = count(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             source=PROMPT_TOKEN_SOURCES,
         )
-        self.generation_tokens = counter(
+        self.generation_tokens = count(
             "vllm:generation_tokens", "Number of generation tokens processed."
-        )
-        self.request_success = by_label(
-            Counter,
+        ).only()
+        self.request_success = count(
             "vllm:request_success",
             "Count of successfully processed requests.",
             finished_reason=FINISH_REASONS,
         )
-        tokens = request_tokens_buckets(max_model_len)
+
+    def _histograms(self, tokens: list[int]) -> None:
+        histogram = self._histogram
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -197,7 +201,11 @@ class PrometheusStatLogger:
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             tokens,
         )
-        # each finished request's `RequestStats` field of that name is observed
+        self._request_histograms(tokens)
+
+    def _request_histograms(self, tokens: list[int]) -> None:
+        """Each finished request's `RequestStats` field of that name is observed."""
+        histogram = self._histogram
         self.per_request = {
             "num_prompt_tokens": histogram(
                 "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
@@ -238,11 +246,14 @@ class PrometheusStatLogger:
                 REQUEST_LATENCY_BUCKETS,
             )
 
+    # ------------------------------------------------------------------ updates
+
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
         if scheduler is not None:
+            self.values.stamp()
             self.running.set(scheduler.num_running)
             self.waiting.set(scheduler.num_waiting)
-            self.waiting_by_reason["capacity"].set(scheduler.num_waiting)
+            self.waiting_by_reason.child("capacity").set(scheduler.num_waiting)
             self.kv_cache_usage.set(scheduler.kv_cache_usage)
             self.prefix_cache_queries.inc(scheduler.new_prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler.new_prefix_cache_hits)
@@ -255,9 +266,9 @@ class PrometheusStatLogger:
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
             self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
-            self.prompt_tokens_cached_by_source["device"].inc(it.num_cached_prompt_tokens)
-            self.prompt_tokens_by_source["local_compute"].inc(computed)
-            self.prompt_tokens_by_source["local_cache_hit"].inc(it.num_cached_prompt_tokens)
+            self.prompt_tokens_cached_by_source.child("device").inc(it.num_cached_prompt_tokens)
+            self.prompt_tokens_by_source.child("local_compute").inc(computed)
+            self.prompt_tokens_by_source.child("local_cache_hit").inc(it.num_cached_prompt_tokens)
         if it.num_generation_tokens:
             self.generation_tokens.inc(it.num_generation_tokens)
         if computed or it.num_generation_tokens:
@@ -266,7 +277,7 @@ class PrometheusStatLogger:
             for value in getattr(it, field):
                 histogram.observe(value)
         for req in it.finished_requests:
-            self.request_success[req.finish_reason].inc()
+            self.request_success.child(req.finish_reason).inc()
             self.prefill_kv_computed.observe(req.num_prompt_tokens - req.num_cached_tokens)
             for field, histogram in self.per_request.items():
                 value = getattr(req, field)
@@ -275,3 +286,10 @@ class PrometheusStatLogger:
 
     def log(self) -> None:
         """Prometheus is scraped, not logged."""
+
+    def token_totals(self) -> tuple[float, float]:
+        """The prompt tokens computed and the tokens generated so far, by every process
+        whose numbers this logger reports."""
+        values = self.values.combined()
+        computed = self.prompt_tokens_by_source.child("local_compute").index
+        return float(values[computed]), float(values[self.generation_tokens.index])

@@ -3,6 +3,8 @@ OpenAI-compatible server on uvicorn (uvloop, httptools).
 
 With `--connect` it is one more client of a running `minivllm engine-core` daemon; any
 number of API processes may attach to one daemon, each with its own port.
+`--api-server-count N` serves one port from N processes over the same engine-cores
+(api_servers.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "server to this machine)",
     )
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API processes serving the port, each a client of the same engine-cores: more "
+        "requests and tokens per second than one process's event loop can handle",
+    )
     p.add_argument(
         "--api-key",
         default=envs.api_key(),
@@ -139,8 +149,15 @@ def _warn_if_open(host: str, api_key: str | None) -> None:
         )
 
 
-def build_state(args: argparse.Namespace, chat_template: str | None = None):
-    """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
+def build_state(
+    args: argparse.Namespace,
+    chat_template: str | None = None,
+    client_index: int = 0,
+    metrics_dir: str | None = None,
+):
+    """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`.
+    As API process `client_index` of several: its metrics go to `metrics_dir`, shared with
+    the others, and only the first logs the stats line (of all of them)."""
     from minivllm.frontend.async_llm import AsyncLLM
     from minivllm.frontend.dp_client import attach_client, make_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
@@ -184,9 +201,13 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
-        metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
-        loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
-    engine = AsyncLLM(model_config, client, loggers, loaded)
+        metrics = PrometheusStatLogger(names[0], model_config.max_model_len, shared_dir=metrics_dir)
+        loggers = [metrics]
+        if client_index == 0:
+            totals = None if metrics_dir is None else metrics.token_totals
+            label = "GPU" if device == "cuda" else device.upper()
+            loggers.insert(0, LoggingStatLogger(label, totals=totals))
+    engine = AsyncLLM(model_config, client, loggers, loaded, client_index)
     return ServerState(
         engine,
         names,
@@ -202,6 +223,10 @@ def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGINT or SIGTERM. Whatever fails during the start stops what was
     started (the engine, once it is up) and exits non-zero with a line naming the cause."""
     configure_process_logging("api-server")
+    if args.api_server_count < 1:
+        raise SystemExit(
+            f"minivllm serve: --api-server-count must be at least 1, got {args.api_server_count}"
+        )
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as e:
@@ -216,17 +241,22 @@ def run_server(args: argparse.Namespace) -> None:
     except OSError as e:
         raise SystemExit(f"minivllm serve: cannot listen on {host}:{args.port}: {e}") from None
     _warn_if_open(host, args.api_key)
+    shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
+    url = f"http://{shown}:{sock.getsockname()[1]}"
+    if args.api_server_count != 1:
+        from minivllm.frontend.server.api_servers import serve_from_processes
+
+        serve_from_processes(args, sock, chat_template, url)
+        sys.exit(0)
     state = None
     try:
         try:
             state = build_state(args, chat_template)
-            server = _uvicorn_server(args, state)
+            server = uvicorn_server(args, state)
         except Exception as e:
             logger.debug("start-up failed", exc_info=True)
             raise SystemExit(f"minivllm serve: could not start: {type(e).__name__}: {e}") from None
-        port = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
-        print(f"minivllm serve: model {state.model_name!r} at http://{shown}:{port}", flush=True)
+        print(f"minivllm serve: model {state.model_name!r} at {url}", flush=True)
         server.run(sockets=[sock])  # uvicorn's lifespan stops the engine when it ends
     finally:
         if state is not None:
@@ -234,7 +264,9 @@ def run_server(args: argparse.Namespace) -> None:
     sys.exit(0)
 
 
-def _uvicorn_server(args: argparse.Namespace, state):
+def uvicorn_server(args: argparse.Namespace, state, server_class=None):
+    """The uvicorn server of `state`'s app (`server_class`: a `uvicorn.Server` of another
+    kind)."""
     import uvicorn
 
     from minivllm.frontend.server.app import build_app
@@ -250,4 +282,4 @@ def _uvicorn_server(args: argparse.Namespace, state):
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
     )
-    return uvicorn.Server(config)
+    return (server_class or uvicorn.Server)(config)
