@@ -170,3 +170,37 @@ def test_prometheus_names_labels_and_buckets() -> None:
     assert buckets == [*request_tokens_buckets(1000), float("inf")]
     assert request_tokens_buckets(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     assert any(n.startswith("process_") for n, _ in samples)  # the default collectors too
+
+
+def test_api_processes_report_one_engine(tmp_path) -> None:
+    """Two API processes' loggers over one directory: what each counted adds up, the
+    engine's state is the latest report, its cumulative counters are not counted twice."""
+
+    def scrape(prom: PrometheusStatLogger) -> dict:
+        text = generate_latest(prom.registry).decode()
+        return {
+            (s.name, s.labels.get("finished_reason")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    first, second = (PrometheusStatLogger("m", 1000, shared_dir=str(tmp_path)) for _ in "ab")
+    collectors = [StatsCollector([first]), StatsCollector([second])]
+    for stats, rid, tokens in zip(collectors, "ab", ([5, 6], [7, 8, 9]), strict=True):
+        stats.add_requests([request(rid, max_tokens=len(tokens))])
+        snap = SchedulerStats(2, 0, 0.5, prefix_cache_queries=8)
+        stats.record(batch(T0 + 0.2, EngineCoreOutput(rid, tokens[:1]), stats=snap))
+        stats.record(batch(T0 + 0.3, EngineCoreOutput(rid, tokens[1:], FinishReason.LENGTH)))
+    # the first process hears last that the engine is idle now
+    collectors[0].record_scheduler_stats(SchedulerStats(0, 0, 0.0, prefix_cache_queries=8))
+    for prom in (first, second):  # either one answers the scrape the same
+        samples = scrape(prom)
+        assert samples[("vllm:generation_tokens_total", None)] == 5
+        assert samples[("vllm:request_success_total", "length")] == 2
+        assert samples[("vllm:prompt_tokens_total", None)] == 8
+        assert samples[("vllm:e2e_request_latency_seconds_count", None)] == 2
+        assert samples[("vllm:num_requests_running", None)] == 0
+        assert samples[("vllm:prefix_cache_queries_total", None)] == 8
+        assert not any(name.startswith("process_") for name, _ in samples)
+    assert first.token_totals() == (8.0, 5.0)
+    assert len(list(tmp_path.iterdir())) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import secrets
 import time
 
 import numpy as np
@@ -32,7 +33,7 @@ _STAMP = 0  # slot 0: when this process last heard the engine's state (time.time
 class MetricValues:
     """`values[i]` is slot i (a float64 memoryview); `allocate` hands out slots with their
     aggregate; `combined()` is every slot as the whole server sees it. With `directory`,
-    the slots live in `directory/<pid>.values`, kept there after the process ends (its
+    the slots live in `directory/<pid>-<random>.values`, kept there after the process ends (its
     counts still count) until the server removes the directory."""
 
     def __init__(self, directory: str | None = None) -> None:
@@ -41,7 +42,8 @@ class MetricValues:
         if directory is None:
             self.values = memoryview(bytearray(8 * CAPACITY)).cast("d")
         else:
-            self.path = os.path.join(directory, f"{os.getpid()}.values")
+            name = f"{os.getpid()}-{secrets.token_hex(4)}.values"
+            self.path = os.path.join(directory, name)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.ftruncate(fd, 8 * CAPACITY)
