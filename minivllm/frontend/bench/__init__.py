@@ -17,6 +17,7 @@ COMMANDS = {  # name (its module: the name with "_" for "-"): help
     "latency": "batch latency, TTFT and TPOT (vLLM's `bench latency`)",
     "serve": "load an OpenAI-compatible server (vLLM's `bench serve`)",
     "overhead": "engine overhead with the null model (tok/s, µs per step, IPC round trip)",
+    "clients": "the engine-core's cost per step against the number of attached clients",
     "kv-accuracy": "next-token agreement and KL of an FP8 KV cache against the model's dtype",
     "step": "host and GPU time of one decode or prefill step of the model runner",
     "kernels": "check and time the Triton kernels (attention bf16/FP8/cascade, sampler, ops)",
