@@ -17,6 +17,7 @@ COMMANDS = {  # name (its module: the name with "_" for "-"): help
     "latency": "batch latency, TTFT and TPOT (vLLM's `bench latency`)",
     "serve": "load an OpenAI-compatible server (vLLM's `bench serve`)",
     "overhead": "engine overhead with the null model (tok/s, µs per step, IPC round trip)",
+    "frontend": "an API process's CPU per output token (output processing, detokenization, SSE)",
     "clients": "the engine-core's cost per step against the number of attached clients",
     "kv-accuracy": "next-token agreement and KL of an FP8 KV cache against the model's dtype",
     "step": "host and GPU time of one decode or prefill step of the model runner",
