@@ -124,11 +124,39 @@ class RequestState:
         self.logprobs = None  # unless (prompt) logprobs were asked for
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self.logprobs = RequestLogprobs(params.logprobs, params.prompt_logprobs, token_texts)
+        # a new step may extend the output its consumer has not taken yet (`extend_waiting`)
+        self.extends = self.delta and parent is None and self.logprobs is None and queue is not None
 
     @property
     def prompt_logprobs(self) -> PromptLogprobs | None:
         """For the next RequestOutput (DELTA: only the first that has them)."""
         return None if self.logprobs is None else self.logprobs.prompt_logprobs(self.delta)
+
+    def extend_waiting(
+        self,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+    ) -> bool:
+        """A DELTA stream of one completion without logprobs whose consumer has not taken
+        the previous output yet: append this step's text and ids to that output, and make
+        no new one (what `RequestOutputCollector` would merge). A server that lags behind
+        the engine does this for most tokens. False when there is no such output."""
+        if not self.extends:
+            return False
+        waiting = self.queue.output  # type: ignore[union-attr]
+        if waiting.__class__ is not RequestOutput:  # taken (None), or an exception
+            return False
+        completion = waiting.outputs[0]
+        finished = finish_reason is not None
+        if self.detokenizer is not None:
+            completion.text += self.detokenizer.get_next_output_text(finished, True)
+        completion.token_ids = completion.token_ids + new_token_ids
+        if finished:
+            completion.finish_reason, completion.stop_reason = str(finish_reason), stop_reason
+        waiting.finished = finished
+        waiting.num_cached_tokens = self.num_cached_tokens
+        return True
 
     def completion(
         self,
@@ -234,6 +262,10 @@ class OutputProcessor:
                 if finish_reason is None:
                     result.reqs_to_abort.append(state.internal_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
+            if state.extend_waiting(out.new_token_ids, finish_reason, stop_reason):
+                if finish_reason is not None:
+                    self._forget(state)
+                continue
             completion = state.completion(out.new_token_ids, finish_reason, stop_reason)
             if finish_reason is not None:
                 self._forget(state)

@@ -6,7 +6,7 @@ import pytest
 
 from minivllm.config import EngineArgs
 from minivllm.frontend.input_processor import InputProcessor
-from minivllm.frontend.output_processor import OutputProcessor
+from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import load_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -84,6 +84,42 @@ def test_delta_outputs_concatenate_to_the_full_text(processors, tokenizer):
     assert [o.finished for o in outputs] == [False] * (len(ids) - 1) + [True]
     assert "".join(o.outputs[0].text for o in outputs) == "你好 😀 " + TEXT
     assert sum((o.outputs[0].token_ids for o in outputs), []) == ids
+
+
+@pytest.mark.parametrize("stop", [None, ["e y"]])
+def test_a_lagging_consumer_gets_the_steps_it_missed_in_one_output(processors, tokenizer, stop):
+    """Steps that come before the consumer takes its output extend that output: the same
+    text and ids as one output per step, the stop string's cut and finish included."""
+    input_processor, output_processor = processors
+    queue = RequestOutputCollector(DELTA)
+    params = SamplingParams(output_kind=DELTA, stop=stop, max_tokens=50)
+    (request,) = output_processor.add_user_request("u", "Hi", params, input_processor, queue=queue)
+    ids = tokenizer.encode("你好 😀 " + TEXT)
+    taken = []
+    for i, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+        processed = output_processor.process_outputs(
+            [EngineCoreOutput(request.request_id, [token_id], finish)]
+        )
+        assert processed.request_outputs == []
+        if i % 3 == 2:  # the consumer wakes every third step
+            taken.append(queue.get_nowait())
+        if not output_processor.has_unfinished_requests():
+            break
+    if (rest := queue.get_nowait()) is not None:
+        taken.append(rest)
+    text = "".join(o.outputs[0].text for o in taken)
+    assert [o.finished for o in taken] == [False] * (len(taken) - 1) + [True]
+    if stop is None:
+        assert text == "你好 😀 " + TEXT
+        assert sum((o.outputs[0].token_ids for o in taken), []) == ids
+        assert taken[-1].outputs[0].finish_reason == "length"
+    else:
+        assert text == "你好 😀 Hello world! How ar"
+        assert (taken[-1].outputs[0].finish_reason, taken[-1].outputs[0].stop_reason) == (
+            "stop",
+            "e y",
+        )
 
 
 def test_final_only_emits_once(processors, tokenizer):

@@ -37,6 +37,13 @@ from minivllm.protocol.messages import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256, help="streams at once")
     p.add_argument("--output-len", type=int, default=256, help="tokens of each")
+    p.add_argument(
+        "--steps-per-wakeup",
+        type=int,
+        default=1,
+        help="decode steps the streams find waiting when they run (1: the server keeps up "
+        "with the engine; more: it lags, and each stream writes several tokens at once)",
+    )
     p.add_argument("--runs", type=int, default=3, help="timed runs (the best is reported)")
     p.add_argument("--profile", action="store_true", help="cProfile one more run")
     p.add_argument("--output-json", default=None, help="write the figures to this file")
@@ -44,9 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class _ReplayClient:
     """Stands in for the engine-core client: each `get_output_async` is one decode step,
-    a token for every running request, once the streams have taken the step before."""
+    a token for every running request; every `steps_per_wakeup` steps the streams take
+    what has come."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, steps_per_wakeup: int) -> None:
+        self.steps_per_wakeup = steps_per_wakeup
+        self.steps = 0
         self.remaining: dict[str, int] = {}
         self.rng = random.Random(0)
         self.vocab_size = vocab_size
@@ -63,7 +73,9 @@ class _ReplayClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         while not self.remaining:
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0)  # the streams take this step's tokens before the next
+        self.steps += 1
+        if self.steps % self.steps_per_wakeup == 0:
+            await asyncio.sleep(0)  # the streams take what came before the next step
         outputs = []
         draw = self.rng.randrange
         for request_id, left in list(self.remaining.items()):
@@ -88,7 +100,7 @@ async def _stream(state: Any, index: int, output_len: int, sink: list[int]) -> N
     from minivllm.frontend.server.completions import _CompletionView
     from minivllm.frontend.server.protocol import CompletionRequest, StreamOptions
     from minivllm.frontend.server.sampling import completion_sampling_params
-    from minivllm.frontend.server.streaming import EventStreamResponse, stream_events
+    from minivllm.frontend.server.streaming import EventStreamResponse
 
     ids = [7, 8, 9, index % 1000 + 10]
     request = CompletionRequest(
@@ -102,7 +114,7 @@ async def _stream(state: Any, index: int, output_len: int, sink: list[int]) -> N
     request_id = f"cmpl-{index}"
     streams = [state.engine.generate({"prompt_token_ids": ids}, params, f"{request_id}-0")]
     view = _CompletionView(state, request, [(None, ids)], request_id, state.model_name)
-    response = EventStreamResponse(stream_events(streams, view))
+    response = EventStreamResponse(streams, view)
 
     async def receive() -> dict:
         await asyncio.Event().wait()  # the client never leaves
@@ -129,7 +141,7 @@ async def _main(model: str, args: argparse.Namespace) -> dict:
 
     config = EngineArgs(model=model).create_engine_config().model
     metrics = PrometheusStatLogger("null", config.max_model_len)
-    client = _ReplayClient(config.vocab_size)
+    client = _ReplayClient(config.vocab_size, args.steps_per_wakeup)
     engine = AsyncLLM(config, client, [metrics])  # type: ignore[arg-type]
     state = ServerState(engine, ["null"], metrics=metrics)
     freeze_startup_heap()  # as the server does
@@ -163,6 +175,7 @@ def main(args: argparse.Namespace) -> dict:
         model = build_null_checkpoint(tmp)
         print(
             f"{args.num_requests} streams x {args.output_len} tokens through the API "
-            "process's stream path (no engine, no socket)"
+            f"process's stream path (no engine, no socket), {args.steps_per_wakeup} decode "
+            "step(s) per wake-up of the streams"
         )
         return uvloop.run(_main(model, args))

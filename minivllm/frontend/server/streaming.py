@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.exceptions import EngineDeadError
@@ -66,27 +66,58 @@ def with_server_send(app: ASGIApp) -> ASGIApp:
     return asgi
 
 
-class EventStreamResponse(StreamingResponse):
-    """`text/event-stream` whose producer is cancelled as soon as the client disconnects."""
+class EventStreamResponse(Response):
+    """`text/event-stream` of a view's chunks for `streams`' outputs, then `data: [DONE]`,
+    cancelled as soon as the client disconnects. An error after the stream started (the
+    headers are gone) becomes one `data: {"error": ...}` event, as vLLM sends it.
+
+    Each chunk goes to the ASGI server straight from the loop over the request's outputs
+    (and skips Starlette's two `send` wrappers, which only notice that the response
+    started): every layer here costs every token of every stream."""
 
     media_type = "text/event-stream"
 
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        # Starlette wraps `send` twice, only to notice that the response started (above);
-        # each chunk skips those wrappers when the server's own `send` is known: they are
-        # two calls per token of every stream
-        body_send = self.server_send or send
-        async for chunk in self.body_iterator:
-            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+    def __init__(self, streams: list[AsyncIterator[Any]], view: StreamView) -> None:
+        self.streams, self.view = streams, view
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.server_send = scope.get(_SERVER_SEND)
-        stream = await _until_disconnect(receive, self.stream_response(send))
+        stream = await _until_disconnect(receive, self._stream(send, scope.get(_SERVER_SEND)))
         error = None if stream.cancelled() else stream.exception()
         if error is not None and not isinstance(error, OSError):  # OSError: the client left
             raise error
+
+    async def _stream(self, send: Send, server_send: Send | None) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        body_send = server_send or send
+        view, streams = self.view, self.streams
+        try:
+            for chunk in view.first_chunks():
+                await body_send(
+                    {"type": "http.response.body", "body": sse(chunk), "more_body": True}
+                )
+            if len(streams) == 1:
+                async for output in streams[0]:
+                    for chunk in view.chunks(0, output):
+                        body = sse(chunk)
+                        await body_send(
+                            {"type": "http.response.body", "body": body, "more_body": True}
+                        )
+            else:
+                async for i, output in merge(streams):
+                    for chunk in view.chunks(i, output):
+                        body = sse(chunk)
+                        await body_send(
+                            {"type": "http.response.body", "body": body, "more_body": True}
+                        )
+            tail = b"".join(sse(chunk) for chunk in view.last_chunks())
+        except (ValueError, EngineDeadError) as e:
+            tail = b"data: " + as_openai_error(e).body() + b"\n\n"
+        # the usage chunk, [DONE] and the end of the body in one write
+        body = tail + b"data: [DONE]\n\n"
+        await body_send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -175,7 +206,7 @@ async def respond(
     """The response to one request: an event stream of the view's chunks, or the view's
     response body once every stream has ended (FINAL_ONLY outputs: one per stream)."""
     if stream:
-        return EventStreamResponse(stream_events(streams, view))
+        return EventStreamResponse(streams, view)
     finals: list[Any] = [None] * len(streams)
 
     async def run() -> None:
@@ -187,27 +218,3 @@ async def respond(
         raise asyncio.CancelledError("the client disconnected")
     task.result()  # raises what the request raised
     return Response(_encode(view.response(finals)), media_type="application/json")
-
-
-async def stream_events(
-    streams: list[AsyncIterator[Any]], view: StreamView
-) -> AsyncIterator[bytes]:
-    """SSE bytes of the view's chunks for `streams`' outputs, then `data: [DONE]`. An error
-    after the stream started (the headers are gone) becomes one `data: {"error": ...}` event,
-    as vLLM sends it. One stream is read directly: each layer here costs every token."""
-    try:
-        for chunk in view.first_chunks():
-            yield sse(chunk)
-        if len(streams) == 1:
-            async for output in streams[0]:
-                for chunk in view.chunks(0, output):
-                    yield sse(chunk)
-        else:
-            async for i, output in merge(streams):
-                for chunk in view.chunks(i, output):
-                    yield sse(chunk)
-        for chunk in view.last_chunks():
-            yield sse(chunk)
-    except (ValueError, EngineDeadError) as e:
-        yield b"data: " + as_openai_error(e).body() + b"\n\n"
-    yield b"data: [DONE]\n\n"
