@@ -2,7 +2,8 @@
 
     input thread   ROUTER recv → decode → input queue   (+ client handshakes, heartbeats)
     busy loop      input queue → add/abort/utility; schedule → execute → update → outputs
-    output thread  outputs queue → encode → ROUTER send to the owning client (+ heartbeats)
+    output thread  outputs queue (a step's, one item) → encode → ROUTER send to each owning
+                   client (+ heartbeats): output_sender.py
 
 The busy loop never touches a socket, so it never waits on the network. It blocks on the
 input queue only when it has no work.
@@ -29,6 +30,7 @@ import zmq
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
+from minivllm.engine_core.output_sender import ALL, STOP, OutputSender
 from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import auth, transport
@@ -42,7 +44,6 @@ from minivllm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Heartbeat,
-    RouteReady,
     TokenizerFile,
     UtilityCall,
     UtilityMethod,
@@ -52,10 +53,7 @@ from minivllm.protocol.serial import FRONTEND_TO_CORE, MsgDecoder, MsgEncoder
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 0.5  # core → clients, so a client notices a dead daemon quickly
-_ALL = -1  # output-queue address: every attached client
 _CLIENT_GONE = "client-gone"
-_STOP = object()
 
 
 class EngineCoreProc:
@@ -100,6 +98,9 @@ class EngineCoreProc:
             threading.Thread(target=self._output_loop, name="core-output", daemon=True),
         ]
 
+    def _output_loop(self) -> None:
+        OutputSender(self.output_sock, self._decode_from_client).run(self.output_queue)
+
     # ------------------------------------------------------------------ busy loop
 
     def run(self) -> int:
@@ -114,9 +115,8 @@ class EngineCoreProc:
         try:
             while self.stop_reason is None:
                 self._drain_input(block=not core.has_work())
-                if core.has_work():
-                    for client, outputs in core.step().items():
-                        self.output_queue.put((client, outputs))
+                if core.has_work() and (outputs := core.step()):
+                    self.output_queue.put(outputs)  # the step's, for every client at once
         except Exception as e:
             exit_code = 1
             self.stop_reason = f"engine-core (pid {os.getpid()}) died: {e}"
@@ -159,8 +159,8 @@ class EngineCoreProc:
 
     def _shutdown(self) -> None:
         # clients waiting on anything learn that nothing more will come
-        self.output_queue.put((_ALL, EngineCoreOutputs(engine_dead=self.stop_reason)))
-        self.output_queue.put(_STOP)
+        self.output_queue.put((ALL, EngineCoreOutputs(engine_dead=self.stop_reason)))
+        self.output_queue.put(STOP)
         self.threads[1].join(timeout=5.0)
         self._stopping.set()
         self.threads[0].join(timeout=2.0)
@@ -250,59 +250,6 @@ class EngineCoreProc:
         if hello is not None and not hello.has_tokenizer:
             reply.tokenizer_files = self.tokenizer_files
         return reply
-
-    def _output_loop(self) -> None:
-        # the output socket carries only each client's hello that opens its route
-        encoder, decoder = MsgEncoder(), MsgDecoder([ClientHello])
-        routable: set[int] = set()
-        pending: dict[int, list[Any]] = {}
-        heartbeat = encoder.encode(Heartbeat())
-        next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-
-        def send(client: int, frames: list) -> None:
-            try:
-                transport.send_to(self.output_sock, client.to_bytes(4, "little"), frames)
-            except zmq.ZMQError:
-                routable.discard(client)  # the peer is gone
-
-        while True:
-            while self.output_sock.poll(0):  # a client registering its output route
-                decoded = self._decode_from_client(
-                    decoder, *transport.recv_from(self.output_sock), where="output"
-                )
-                if decoded is None:
-                    continue
-                client = decoded[0]  # a ClientHello, the only message this socket decodes
-                routable.add(client)
-                send(client, encoder.encode(RouteReady(client)))
-                for frames_ in pending.pop(client, []):
-                    send(client, frames_)
-            try:
-                item = self.output_queue.get(timeout=0.05)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                return
-            if item is not None:
-                client, msg = item
-                if msg.client_dropped is not None:  # its last message, if it still listens
-                    if client in routable:
-                        send(client, encoder.encode(msg))
-                    routable.discard(client)
-                    pending.pop(client, None)
-                elif client == _ALL:
-                    frames = encoder.encode(msg)
-                    for c in list(routable):
-                        send(c, frames)
-                elif client in routable:
-                    send(client, encoder.encode(msg))
-                else:
-                    pending.setdefault(client, []).append(encoder.encode(msg))
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + HEARTBEAT_INTERVAL_S
-                for c in list(routable):
-                    send(c, heartbeat)
 
 
 def run_engine_core(

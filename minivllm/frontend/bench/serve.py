@@ -19,6 +19,7 @@ import json
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -303,15 +304,9 @@ def check_failures(results: list[RequestResult], what: str) -> None:
         )
 
 
-def main(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import uvloop
-
+def _prepare(args: argparse.Namespace) -> tuple[str, str, Workload, float | None]:
+    """The endpoint's URL, the model to ask for, the workload and its temperature."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
-    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     first, root = _first_model(base_url, args.api_key)
     model = args.model or first
     workload, temperature = _workload(args, root)
@@ -319,7 +314,18 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         f"{workload.name}: {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens at most; model {model!r} at {base_url}"
     )
-    url = base_url + args.endpoint
+    return base_url + args.endpoint, model, workload, temperature
+
+
+def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import uvloop
+
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise SystemExit(f"--percentile-metrics: unknown {unknown}; choose from {list(METRICS)}")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    url, model, workload, temperature = _prepare(args)
     if args.num_warmups:
         warm = warmups(workload, args.num_warmups)
         results, _ = uvloop.run(run_once(args, url, model, warm, temperature, float("inf")))
@@ -369,8 +375,28 @@ def _save(args: argparse.Namespace, result: dict[str, Any], model: str, rate: fl
     print(f"Results written to {name}")
 
 
-def run(argv: list[str]) -> list[dict[str, Any]]:
-    """`minivllm bench serve ARGV` in this process; the result dict of each rate."""
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="minivllm bench serve")
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    return parser.parse_args(argv)
+
+
+def run(argv: list[str]) -> list[dict[str, Any]]:
+    """`minivllm bench serve ARGV` in this process; the result dict of each rate."""
+    return main(_parse(argv))
+
+
+def run_together(argv: list[str], wait: Callable[[], Any]) -> dict[str, Any]:
+    """The first rate of `bench serve ARGV`, its requests sent once `wait()` returns (so
+    that several client processes load one server at once); the result dict, with the
+    run's wall-clock `start_time` and `end_time`."""
+    import uvloop
+
+    args = _parse(argv)
+    url, model, workload, temperature = _prepare(args)
+    rate = args.request_rate[0]
+    wait()
+    start = time.time()
+    results, duration = uvloop.run(run_once(args, url, model, workload, temperature, rate))
+    result = summarize(results, duration, [99.0], list(METRICS), args.max_concurrency, rate)
+    return {**result, "start_time": start, "end_time": start + duration}
