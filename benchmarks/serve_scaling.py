@@ -145,7 +145,7 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
 
 def _report(run: dict, base: dict) -> None:
     ratio = run["output_throughput"] / base["output_throughput"]
-    target = TARGETS.get(run["config"])
+    target = TARGETS.get(run["config"]) if base["config"] == "1x1" else None
     verdict = (
         ""
         if target is None
@@ -172,7 +172,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=6144)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--client-processes", type=int, default=4)
+    p.add_argument("--client-processes", type=int, default=8)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     sys.path.insert(0, _REPO)
