@@ -36,7 +36,9 @@ def _profiled(name: str, fn, out: str, phases: dict[str, float]):
     phases[name] = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-    with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+    with open(
+        os.path.join(out, f"profile_{name.replace(' ', '_').replace('+', 'and')}.txt"), "w"
+    ) as f:
         f.write(text.getvalue())
     print(f"{name:>18}: {phases[name]:7.2f} s", flush=True)
     return result
@@ -73,7 +75,7 @@ def main() -> None:
             phases,
         )
         worker.shutdown()
-        del worker
+        worker = None
         torch.cuda.empty_cache()
         phases["num_blocks"] = blocks
 
