@@ -82,9 +82,11 @@ class EngineCore:
         # requests refused at arrival (or whose grammar failed), answered with an error
         # output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.executor.startup_s.items())
         logger.info(
-            "engine core ready in %.1f s: %d KV blocks, async scheduling %s",
+            "engine core ready in %.1f s (%s): %d KV blocks, async scheduling %s",
             time.monotonic() - start,
+            phases,
             self.num_blocks,
             "on" if config.scheduler.async_scheduling else "off",
         )
