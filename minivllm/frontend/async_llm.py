@@ -8,6 +8,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator
+from concurrent.futures import Future
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
@@ -16,7 +17,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
-from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
@@ -40,21 +41,22 @@ class AsyncLLM:
         model_config: ModelConfig,
         client: AsyncMPClient | DPAsyncClient,
         stat_loggers: list[StatLogger] | None = None,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | Future[Tokenizer | None] | None = None,
         client_index: int = 0,
     ) -> None:
-        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`).
-        `client_index`: this frontend's index among the API processes of one server (vLLM's
-        name), which keeps their request ids apart."""
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`), a future is
+        waited for (a failed load stops the engine). `client_index`: this frontend's index
+        among the API processes of one server (vLLM's name), which keeps their request ids
+        apart."""
         self.client = client
         self._tasks: list[asyncio.Task] = []  # the output handler, once started
         self._release = on_release(self, _shutdown, client, self._tasks)
         try:
             self.model_config = model_config
             self.stats = StatsCollector(stat_loggers) if stat_loggers else None
-            if tokenizer is None and not model_config.skip_tokenizer_init:
-                tokenizer = load_tokenizer(model_config.tokenizer)
-            self.tokenizer = tokenizer
+            self.tokenizer = resolve_tokenizer(
+                tokenizer, model_config.tokenizer, model_config.skip_tokenizer_init
+            )
             self.input_processor = InputProcessor(model_config, self.tokenizer, client_index)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
@@ -70,7 +72,9 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        return cls(config.model, make_client(config, asynchronous=True), stat_loggers)
+        model = config.model
+        tokenizer = load_tokenizer_meanwhile(None if model.skip_tokenizer_init else model.tokenizer)
+        return cls(model, make_client(config, asynchronous=True), stat_loggers, tokenizer)
 
     @classmethod
     def connect(

@@ -22,7 +22,6 @@ import weakref
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minivllm.frontend.tokenizer import Tokenizer as HFTokenizer
 from minivllm.protocol.messages import FinishReason
@@ -231,6 +230,8 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteT
     if not isinstance(backend.decoder, ByteLevel):
         return None
     # GPT-2's map from the 256 printable stand-in characters back to bytes
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = []

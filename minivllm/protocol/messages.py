@@ -330,10 +330,12 @@ class InitKVCache(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class WorkerReady(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A worker has its KV cache and waits for steps."""
+    """A worker has its KV cache and waits for steps. `startup_s`: seconds per start-up
+    phase (device, load, profile, KV cache, CUDA graphs, warm-up)."""
 
     rank: int
     pid: int
+    startup_s: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ShutdownWorker(msgspec.Struct, array_like=True, omit_defaults=True):

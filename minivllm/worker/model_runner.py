@@ -16,6 +16,7 @@ makes both calls at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -108,6 +109,7 @@ class ModelRunner:
         self._executed: ExecutedStep | None = None  # launched, not sampled yet
         # sampled steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
+        self.startup_s: dict[str, float] = {}  # seconds per phase of initialize_kv_cache
 
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
@@ -159,6 +161,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, capture the decode graphs over it, warm the allocator."""
+        start = time.perf_counter()
         m = self.config.model
         self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
         max_conc = num_blocks * self.block_size / m.max_model_len
@@ -172,6 +175,8 @@ class ModelRunner:
             m.max_model_len,
             max_conc,
         )
+        self.startup_s["KV cache"] = time.perf_counter() - start
+        start = time.perf_counter()
         if self.use_graphs:
             sched = self.config.scheduler
             with torch.inference_mode():
@@ -179,6 +184,7 @@ class ModelRunner:
                     self._static_forward, self.buffers.dev, sched.max_num_seqs,
                     sched.max_num_batched_tokens,
                 )  # fmt: skip
+            self.startup_s["CUDA graphs"] = time.perf_counter() - start
         elif self.device.type == "cuda":
             why = (
                 "enforce_eager"
@@ -187,9 +193,11 @@ class ModelRunner:
             )
             logger.info("CUDA graphs off (%s)", why)
         if self.device.type == "cuda":
+            start = time.perf_counter()
             # fill the caching allocator with a full-size step's activations now: the first
             # long prefill steps of a run otherwise cudaMalloc them, which stalls the stream
             self.profile_run()
+            self.startup_s["warm-up"] = time.perf_counter() - start
 
     def _static_forward(
         self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False

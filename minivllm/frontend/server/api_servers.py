@@ -293,8 +293,12 @@ def run_api_server(
     signal.signal(signal.SIGTERM, _exit_on_signal)  # until uvicorn handles it
     configure_process_logging()
     parent = os.getppid()
-    import minivllm.frontend.async_llm  # noqa: F401 - the slow imports, before the wait
+    # the slow imports (transformers for the tokenizer, FastAPI) pass before the wait
+    import minivllm.frontend.server.app  # noqa: F401
     from minivllm.frontend.server.serve import build_state, uvicorn_server
+
+    if not getattr(args, "skip_tokenizer_init", False):
+        from transformers import AutoTokenizer  # noqa: F401
 
     try:
         settings = msgspec.msgpack.decode(go.recv_bytes())
