@@ -1,4 +1,4 @@
-"""Serving at scale on the CPU with the null model: `minivllm serve -dp M --api-server-count N`
+"""Serving at scale on the CPU with the null model (a GPU host's GPUs are left alone): `minivllm serve -dp M --api-server-count N`
 loaded by `bench serve` at one concurrency, one server after another on the same workload.
 
     python benchmarks/serve_scaling.py          # a 16-core host: DP=1/1 API, 2/2, 4/4 at 1024
@@ -106,10 +106,11 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
 
     dp, api = (int(x) for x in config.split("x"))
     blocks = 2 * args.max_concurrency * -(-(args.input_len + args.output_len) // 16)
-    server_args = [model, "-dp", str(dp), "--api-server-count", str(api)]
+    server_args = [model, "--device", "cpu", "-dp", str(dp), "--api-server-count", str(api)]
     server_args += ["--max-num-seqs", str(args.max_concurrency)]
     server_args += ["--num-gpu-blocks-override", str(blocks), "--disable-uvicorn-access-log"]
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the null model on the host's cores, a GPU or not
     log = os.path.join(log_dir, f"server-{config}.log")
     started = time.perf_counter()
     with ServerProcess(server_args, log, env, startup_timeout=300) as server:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import pytest
 
@@ -91,6 +92,16 @@ def test_internal_ids_are_unique_when_a_user_id_is_reused(processor, model_confi
     ids.append(other_frontend.process("same", "hi", SamplingParams())[1].request_id)
     assert len(set(ids)) == len(ids)
     assert all(i.startswith("same-") for i in ids)
+
+
+def test_api_processes_never_share_an_internal_id(model_config, tokenizer, monkeypatch):
+    """The API processes of one server: their ids differ by their index, even where their
+    random part does not."""
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "ab" * n)
+    processors = [InputProcessor(model_config, tokenizer, client_index=i) for i in range(17)]
+    ids = [p.process("same", "hi", SamplingParams())[1].request_id for p in processors]
+    ids += [p.process("same", "hi", SamplingParams())[1].request_id for p in processors]
+    assert len(set(ids)) == len(ids)
 
 
 def test_skip_tokenizer_init_takes_token_ids_only(model_config):
