@@ -9,11 +9,13 @@ of loading either.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 
 import torch
 
 from minivllm.config import ModelConfig
+from minivllm.worker.layers.quantization.base import QuantizationConfig
 from minivllm.worker.models.llama_family import DecoderVariant
 
 
@@ -55,9 +57,15 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
 
 
 def dummy_weights(
-    config: ModelConfig, variant: DecoderVariant, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    variant: DecoderVariant,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant_config: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small."""
+    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small.
+    With a quantization format, the linear layers' weights are quantized and stored as
+    that format's checkpoints store them (FP8 blocks and their scales, packed INT4, ...)."""
     std = float(config.hf_config.get("initializer_range", 0.02))
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
@@ -67,4 +75,13 @@ def dummy_weights(
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
         tensor.normal_(0.0, std if len(shape) > 1 else std / 10, generator=gen)
-        yield name, tensor.to(dtype)
+        module = name.removesuffix(".weight")
+        if quant_config is None or not _LINEAR.search(name) or quant_config.is_ignored(module):
+            yield name, tensor.to(dtype)
+            continue
+        for suffix, value in quant_config.checkpoint_tensors(module, tensor).items():
+            yield f"{module}.{suffix}", value
+
+
+# the linear layers' weights, which a quantized checkpoint stores in its format
+_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")

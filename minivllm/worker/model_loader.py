@@ -37,7 +37,8 @@ def load_model(
     with torch.no_grad():
         if model_config.load_format == "dummy":
             if isinstance(model, CausalLM):
-                model.load_weights(dummy_weights(model_config, variant, device, dtype))
+                weights = dummy_weights(model_config, variant, device, dtype, model.quant_config)
+                model.load_weights(weights)
         elif model_config.load_format == "auto":
             model.load_weights(iter_safetensors(model_config.model))
         else:

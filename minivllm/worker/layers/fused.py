@@ -4,7 +4,7 @@ another, from the tensors and layers it is given (and the step's metadata).
 
 | op | one kernel when | else |
 |---|---|---|
-| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
+| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased, unquantized projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
 | `silu_mul_linear` | the same row and projection: the GEMV computes silu(gate) * up in its prologue | `silu_and_mul`, then the projection |
 | `all_reduce_add_rms_norm` | TP > 1 and the symmetric-memory all-reduce takes the rows (`TPGroup.all_reduce_add_rms_norm`) | the all-reduce, then `add_rms_norm` |
 | `qk_norm_rope_store_kv` | Triton runs and the backend stores with `store_kv_cache`, except on the step that computes the FP8 scales: the rotary kernel norms each head, rotates and writes k and v into the cache | the rotary kernel (norm + rotation), then the backend's store |
@@ -51,8 +51,8 @@ def rms_norm_linear(
     if residual is not None and tp.size > 1:
         normed, residual = tp.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         return proj(normed), residual
-    w = proj.weight
-    cfg = row_gemv_config(x, w, x.shape[-1]) if proj.bias is None else None
+    w = proj.plain_weight
+    cfg = row_gemv_config(x, w, x.shape[-1]) if proj.bias is None and w is not None else None
     if cfg is not None:
         if residual is None:
             return gemv_rms_norm(x, None, norm.weight, norm.eps, w, cfg), x
@@ -66,8 +66,10 @@ def rms_norm_linear(
 
 def silu_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(silu(gate) * up) for gate_up [T, 2I], gate then up: SwiGLU's down projection."""
-    w = proj.weight
-    cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2) if proj.rank_bias is None else None
+    w = proj.plain_weight
+    cfg = None
+    if proj.rank_bias is None and w is not None:
+        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
     if cfg is None:
         return proj(silu_and_mul(gate_up))
     y = gemv_silu_mul(gate_up, w, cfg)
