@@ -129,7 +129,7 @@ class QuantizationConfig:
         """The method of the linear layer that holds these checkpoint modules (one, or the
         stacked q/k/v or gate/up); the format's skip list leaves some unquantized."""
         skipped = [self.is_ignored(name) for name in checkpoint_names]
-        if all(skipped):
+        if skipped and all(skipped):
             return UnquantizedLinearMethod()
         if any(skipped):
             raise ValueError(

@@ -35,20 +35,20 @@ def quantize_int4(
     w: torch.Tensor, group: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] -> (q [N, K], scales [N, K/group] float16, zeros [N, K/group]) with
-    w ~ (q - zero) * scale and q, zero in 0..15: symmetric (GPTQ's default) zero 8 and the
-    scale maps max |w| to 7.5; else (AWQ) the group's [min, max] onto 0..15."""
+    w ~ (q - zero) * scale and q, zero in 0..15, as the tools compute them: symmetric
+    (AutoGPTQ's default) zero 8 and max |w| -> 7.5 steps; else (AutoAWQ) the group's
+    [min, max] onto 0..15."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
     if symmetric:
-        scale = (2 * g.abs().amax(-1) / 15).clamp(min=1e-6)
+        scale = (2 * g.abs().amax(-1) / 15).clamp(min=1e-5).half().float()
         zero = torch.full_like(scale, 8.0)
     else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-6)
-        zero = (-lo / scale).round().clamp(0, 15)
-    scale = scale.to(torch.float16)
-    q = (g / scale.float()[..., None]).round() + zero[..., None]
-    return q.clamp(0, 15).to(torch.int32).view(n, k), scale, zero.to(torch.int32)
+        lo = g.amin(-1)
+        scale = ((g.amax(-1) - lo).clamp(min=1e-5) / 15).half().float()
+        zero = (-torch.round(lo / scale)).clamp(0, 15)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15)
+    return q.to(torch.int32).view(n, k), scale.half(), zero.to(torch.int32)
 
 
 class W4LinearMethod(LinearMethod):
