@@ -67,6 +67,18 @@ def test_tp2_splits_the_quantized_weights(quantized: dict, fmt: str) -> None:
     assert greedy(path, prompts, tensor_parallel_size=2) == hf_greedy(reference, prompts, 8)
 
 
+def test_block_scales_of_shards_that_start_mid_block(tmp_path) -> None:
+    """k and v of 64 rows each (and their TP=2 halves) start inside a 128-row scale block:
+    those layers keep a scale row per weight row, read from the checkpoint's blocks."""
+    float_dir = build_checkpoint(
+        str(tmp_path / "float"), "qwen3", hidden_size=256, num_heads=4, num_kv_heads=2,
+        head_dim=64, intermediate_size=384, seed=6,
+    )  # fmt: skip
+    path, _ = qm.build_quantized(float_dir, str(tmp_path), "fp8")
+    prompts = parity_prompts()[:3]
+    assert greedy(path, prompts, tensor_parallel_size=2) == hf_greedy(path, prompts, 8)
+
+
 def test_the_engine_dequantizes_as_each_format_defines(quantized: dict, tmp_path) -> None:
     """Weight by weight: each layer's W (its matmul of the identity) equals the format's
     dequantization written out in tests/quantized_models.py, and the dummy-weight packers

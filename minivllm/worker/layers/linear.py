@@ -45,10 +45,14 @@ class _SplitLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self._output_size = output_size
         dtype = params_dtype or torch.get_default_dtype()
         sizes = [output_size, input_size]
         sizes[self.split_dim] = divide(sizes[self.split_dim], tp.size)
-        self.shape = LinearShape(input_size, output_size, sizes[1], sizes[0], self.split_dim == 1)
+        self.shape = LinearShape(
+            input_size, output_size, sizes[1], sizes[0], self.split_dim == 1,
+            self._output_shards() if self.split_dim == 0 else (output_size,),
+        )  # fmt: skip
         self.quant_method: LinearMethod = (
             quant_config.linear_method(checkpoint_names or [])
             if quant_config is not None
@@ -59,6 +63,10 @@ class _SplitLinear(nn.Module):
         # bias, added once (by rank 0)
         spec = ShardSpec(0, None) if self.split_dim == 0 else ShardSpec(None, None)
         self.bias = add_param(self, "bias", (sizes[0],), dtype, spec) if bias else None
+
+    def _output_shards(self) -> tuple[int, ...]:
+        """This rank's rows of each stacked output."""
+        return (divide(self._output_size, self.tp.size),)
 
     def _output_range(self, shard_id: object) -> tuple[int, int, int]:
         """(first row in this rank's output, first row in the checkpoint tensor, rows) of the
@@ -79,7 +87,13 @@ class _SplitLinear(nn.Module):
             value = full(loaded).to(dst.device, dst.dtype).reshape(dst.shape)
             dst.copy_(torch.maximum(dst, value) if shard_id is not None else value)
             return
-        if spec.output_dim is not None:
+        if spec.output_dim is not None and spec.row_block > 1:
+            d, b = spec.output_dim, spec.row_block
+            first, end = src_row // b, -(-(src_row + rows) // b)
+            blocks = narrow(src, d, first, end - first)
+            src = blocks.repeat_interleave(b, d).narrow(d, src_row - first * b, rows)
+            dst = dst.narrow(d, dst_row, rows)
+        elif spec.output_dim is not None:
             d, div = spec.output_dim, spec.output_div
             length = -(-rows // div)
             if dst_row % div or src_row % div:
@@ -134,6 +148,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             input_size, sum(output_sizes), tp, bias, params_dtype, quant_config, checkpoint_names
         )
 
+    def _output_shards(self) -> tuple[int, ...]:
+        return tuple(divide(s, self.tp.size) for s in self.output_sizes)
+
     def _output_range(self, shard_id: object) -> tuple[int, int, int]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
@@ -184,6 +201,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def _output_shards(self) -> tuple[int, ...]:
+        return (self.q_size, self.kv_size, self.kv_size)
 
     def _output_range(self, shard_id: object) -> tuple[int, int, int]:
         if shard_id == "q":

@@ -46,14 +46,16 @@ def quantize_groups_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return q.view(m, -1)[:, :k], scale
 
 
-def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """[ceil(N/128), ceil(K/128)] block scales -> [N, K], one per weight."""
-    return scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+def expand_block_scales(scale: torch.Tensor, n: int, k: int, rows: int = BLOCK) -> torch.Tensor:
+    """[ceil(N/rows), ceil(K/128)] block scales -> [N, K], one per weight."""
+    return scale.repeat_interleave(rows, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
 
-def dequantize_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 W [N, K] with 128x128 block scales -> W in `dtype`."""
-    return (w.float() * expand_block_scales(scale.float(), *w.shape)).to(dtype)
+def dequantize_block(
+    w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int = BLOCK
+) -> torch.Tensor:
+    """e4m3 W [N, K] with 128x128 block scales (`rows` 1: each row's copy) -> W in `dtype`."""
+    return (w.float() * expand_block_scales(scale.float(), *w.shape, rows)).to(dtype)
 
 
 def dequantize_channel(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ class ShardSpec:
     `*_div` features (a packing factor, a group or block size). `broadcast_rows`: the
     checkpoint has one value per shard (a per-tensor scale), copied onto every output row
     of the shard. `max_of_shards`: one value for the layer, the max over the stacked shards'
-    (a static activation scale shared by q, k and v)."""
+    (a static activation scale shared by q, k and v). `row_block`: see below."""
 
     output_dim: int | None = 0
     input_dim: int | None = 1
@@ -36,6 +36,9 @@ class ShardSpec:
     input_div: int = 1
     broadcast_rows: bool = False
     max_of_shards: bool = False
+    # the checkpoint holds one row per `row_block` output rows, the parameter one per row
+    # (block scales of a layer whose shards do not start on a block)
+    row_block: int = 1
 
 
 PLAIN = ShardSpec()  # W [N, K]
@@ -74,6 +77,7 @@ class LinearShape:
     input_per_rank: int
     output_per_rank: int
     input_split: bool  # row-parallel: each rank holds a slice of K
+    output_shards: tuple[int, ...]  # this rank's rows of each stacked output (q, k, v; ...)
 
 
 class LinearMethod:

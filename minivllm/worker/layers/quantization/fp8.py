@@ -59,23 +59,31 @@ class Fp8BlockLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, shape: LinearShape, dtype: torch.dtype) -> None:
         n, k = shape.output_per_rank, shape.input_per_rank
         add_param(layer, "weight", (n, k), ops.FP8)
-        blocks = (-(-n // ops.BLOCK), -(-k // ops.BLOCK))
-        spec = ShardSpec(0, 1, ops.BLOCK, ops.BLOCK)
-        add_param(layer, self.scale_name, blocks, torch.float32, spec)
+        k_blocks = -(-k // ops.BLOCK)
+        # shards that do not start on a block (q/k/v of 64-row heads, a TP split of a block):
+        # a scale row per weight row, read from the checkpoint's per-block rows
+        shards, split_rows = shape.output_shards, layer.tp.size > 1 and not shape.input_split
+        misaligned = any(r % ops.BLOCK for r in shards[:-1]) or (
+            split_rows and shards[-1] % ops.BLOCK
+        )
+        self.scale_rows = 1 if misaligned else ops.BLOCK
+        spec = ShardSpec(0, 1, self.scale_rows, ops.BLOCK, row_block=ops.BLOCK // self.scale_rows)
+        rows = -(-n // self.scale_rows)
+        add_param(layer, self.scale_name, (rows, k_blocks), torch.float32, spec)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        w, scale = layer.weight, getattr(layer, self.scale_name)
+        w, scale, rows = layer.weight, getattr(layer, self.scale_name), self.scale_rows
         if not fp8_kernels(x):
-            return F.linear(x, ops.dequantize_block(w, scale, x.dtype), bias)
+            return F.linear(x, ops.dequantize_block(w, scale, x.dtype, rows), bias)
         x = _rows(x)
         if x.shape[0] <= 4:
             cfg = ops.fp8_gemv_config(*w.shape)
             if cfg is not None:
-                return ops.fp8_gemv(x, w, scale, ops.BLOCK, False, cfg, bias)
+                return ops.fp8_gemv(x, w, scale, rows, False, cfg, bias)
         xq, xs = ops.quantize_per_group(x, ops.BLOCK)
-        return ops.scaled_fp8_gemm(xq, xs, w, scale, ops.BLOCK, x.dtype, bias)
+        return ops.scaled_fp8_gemm(xq, xs, w, scale, rows, x.dtype, bias)
 
 
 class Fp8ChannelLinearMethod(LinearMethod):
