@@ -41,6 +41,20 @@ def fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]
     return {"weight": q, "weight_scale": scale}, q.float() * scale
 
 
+def fp8_tensor(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-tensor FP8 with a static activation scale (quant_method fp8 without blocks)."""
+    scale = w.abs().amax() / 448.0
+    q = (w / scale).clamp(-448, 448).to(FP8)
+    input_scale = torch.tensor(0.05 + float(w[0, 0].abs()))  # differs per layer: max is taken
+    return {"weight": q, "weight_scale": scale, "input_scale": input_scale}, q.float() * scale
+
+
+def ct_block(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' FP8_BLOCK: the block layout, its scale named weight_scale."""
+    parts, deq = fp8_block(w)
+    return {"weight": parts["weight"], "weight_scale": parts["weight_scale_inv"]}, deq
+
+
 def awq(w: torch.Tensor, group: int = 128) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     n, k = w.shape
     g = w.reshape(n, k // group, group)
@@ -112,7 +126,9 @@ def _int32(words: torch.Tensor) -> torch.Tensor:
 
 QUANTIZERS = {
     "fp8": fp8_block,
+    "fp8-tensor": fp8_tensor,
     "compressed-tensors": fp8_channel,
+    "compressed-tensors-block": ct_block,
     "awq": awq,
     "gptq": gptq,
     "gptq-desc-act": lambda w: gptq(w, desc_act=True),
@@ -120,10 +136,16 @@ QUANTIZERS = {
 
 
 def quantization_config(fmt: str) -> dict:
-    method = "gptq" if fmt.startswith("gptq") else fmt
+    method = next(m for m in CHECKPOINT_QUANTIZATION_CONFIGS if fmt.startswith(m))
     config = copy.deepcopy(CHECKPOINT_QUANTIZATION_CONFIGS[method])
     if fmt == "gptq-desc-act":
         config["desc_act"] = True
+    if fmt == "fp8-tensor":
+        config = {"quant_method": "fp8", "activation_scheme": "static"}
+    if fmt == "compressed-tensors-block":  # llm-compressor's FP8_BLOCK scheme
+        group = config["config_groups"]["group_0"]
+        group["weights"].update(strategy="block", block_structure=[128, 128])
+        group["input_activations"].update(strategy="group", group_size=128)
     return config
 
 

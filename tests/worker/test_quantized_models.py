@@ -20,7 +20,11 @@ from tests import quantized_models as qm
 from tests.hf_reference import hf_greedy, parity_prompts
 from tests.tiny_models import build_checkpoint
 
-FORMATS = ["fp8", "compressed-tensors", "awq", "gptq", "gptq-desc-act"]
+FORMATS = ["fp8", "fp8-tensor", "compressed-tensors", "compressed-tensors-block", "awq", "gptq",
+           "gptq-desc-act"]  # fmt: skip
+# transformers loads these itself (dequantized on a CPU); the others' reference is our
+# dequantization of them
+HF_LOADS = ("fp8", "compressed-tensors", "compressed-tensors-block")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -36,7 +40,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, 
     out = {"float": (float_dir, float_dir)}
     for fmt in FORMATS:
         quant_dir, deq_dir = qm.build_quantized(float_dir, str(root), fmt)
-        out[fmt] = (quant_dir, quant_dir if fmt in ("fp8", "compressed-tensors") else deq_dir)
+        out[fmt] = (quant_dir, quant_dir if fmt in HF_LOADS else deq_dir)
     return out
 
 
@@ -101,6 +105,18 @@ def test_the_engine_dequantizes_as_each_format_defines(quantized: dict, tmp_path
         assert torch.equal(mlp.gate_up_proj(eye).T, want), fmt
         eye = torch.eye(512)
         assert torch.equal(mlp.down_proj(eye).T, deq["model.layers.1.mlp.down_proj.weight"])
+    # per-tensor FP8: each shard's scale on its rows; one static input scale, the max of q/k/v's
+    path = quantized["fp8-tensor"][0]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    config = EngineArgs(model=path, dtype="float32").create_engine_config().model
+    qkv = load_model(config, torch.device("cpu"), TPGroup(), TorchAttentionBackend())
+    qkv = qkv.model.layers[0].self_attn.qkv_proj
+    prefix = "model.layers.0.self_attn."
+    rows = {"q": 512, "k": 256, "v": 256}
+    want = torch.cat([tensors[f"{prefix}{p}_proj.weight_scale"].expand(n) for p, n in rows.items()])
+    assert torch.equal(qkv.weight_scale.view(-1), want)
+    inputs = [tensors[f"{prefix}{p}_proj.input_scale"] for p in "qkv"]
+    assert float(qkv.input_scale) == max(map(float, inputs)) and len(set(map(float, inputs))) > 1
     w = torch.randn(256, 384) * 0.1
     for ours, theirs in ((awq_checkpoint_tensors(w, 128), qm.awq(w)[0]),
                          (gptq_checkpoint_tensors(w, 128), qm.gptq(w)[0])):  # fmt: skip
