@@ -43,6 +43,8 @@ def load_model(
             model.load_weights(iter_safetensors(model_config.model))
         else:
             raise ValueError(f"unknown load_format {model_config.load_format!r}")
+    if device.type == "cuda" and model_config.quantization is not None:
+        torch.cuda.empty_cache()  # the checkpoint layouts converted away, for the KV cache
     return model.eval()
 
 

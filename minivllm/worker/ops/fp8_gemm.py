@@ -289,7 +289,8 @@ def _fp8_gemv_kernel(
             for k in range(0, K, 128):
                 amax = tl.maximum(amax, tl.abs(tl.load(x_row + k + offs_g).to(tl.float32)))
             x_scale = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # products scaled per element and summed over K once, after the loop (as ops/gemv.py)
+        acc = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
         for k0 in range(0, K, 128 * SLICE_GROUPS):
             for s in tl.static_range(SLICE_GROUPS):
                 k = k0 + s * 128
@@ -297,9 +298,10 @@ def _fp8_gemv_kernel(
                 x = tl.load(x_row + k + offs_g).to(tl.float32)
                 if not PER_TOKEN:
                     x_scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / 448.0
-                xq = _quantize(x, x_scale).to(tl.float32)
+                xq = _quantize(x, x_scale).to(tl.float32) * x_scale
                 w_scale = tl.load(ws_rows + (k // 128) * stride_wsk)
-                acc += tl.sum(w * xq[None, :], 1) * (w_scale * x_scale)
+                acc += w * w_scale[:, None] * xq[None, :]
+        acc = tl.sum(acc, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty))

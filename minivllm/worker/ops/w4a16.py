@@ -98,8 +98,7 @@ def _w4_gemv_kernel(
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x dequant(W)^T for M <= 4 rows; each program owns BLOCK_N rows of W and reads
-    BLOCK_K of K per iteration, as SLICES chunks of SUB_K that each lie in one group:
-    sum over a chunk of (q - z) s x = s (sum q x - z sum x)."""
+    BLOCK_K of K per iteration, as SLICES chunks of SUB_K that each lie in one group."""
     SLICES: tl.constexpr = BLOCK_K // SUB_K
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -108,7 +107,8 @@ def _w4_gemv_kernel(
     wait_for_producers(PDL)
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # products summed over K once, after the loop (as ops/gemv.py)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             q = tl.load(q_ptr + offs_n[:, None] * stride_qn + k // 8 + offs_k8[None, :])
             w = _unpack(q, BLOCK_N, BLOCK_K).to(tl.float32)
@@ -120,14 +120,16 @@ def _w4_gemv_kernel(
                 g = tl.load(g_ptr + k + offs_k)
                 s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
                 z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-                acc += tl.sum((w - z) * s * x[None, :], 1)
-            else:
+            else:  # a group per SUB_K chunk: load each once, spread over its chunk
                 g = (k + offs_slice) // GROUP
                 s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
                 z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-                wx = tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, SLICES, SUB_K]), 2)
-                xs = tl.sum(tl.reshape(x, [SLICES, SUB_K]), 1)
-                acc += tl.sum(s * (wx - z * xs[None, :]), 1)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, SLICES, SUB_K]),
+                               [BLOCK_N, BLOCK_K])  # fmt: skip
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], [BLOCK_N, SLICES, SUB_K]),
+                               [BLOCK_N, BLOCK_K])  # fmt: skip
+            acc += (w - z) * s * x[None, :]
+        acc = tl.sum(acc, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty))
