@@ -164,6 +164,8 @@ class Fp8Config(QuantizationConfig):
             raise ValueError(
                 f"fp8: activation_scheme must be 'dynamic' or 'static', got {scheme!r}"
             )
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8: fmt {config['fmt']!r} is not supported; only 'e4m3'")
         block = config.get("weight_block_size")
         if block is not None and list(block) != [ops.BLOCK, ops.BLOCK]:
             raise ValueError(f"fp8: weight_block_size {block} is not supported; only [128, 128]")
