@@ -7,6 +7,7 @@ dequantizing reference (W dequantized to the compute dtype, then a plain matmul)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -144,9 +145,12 @@ def test_online_fp8_quantizes_a_float_checkpoint_per_channel(quantized: dict, tm
     assert got != hf_greedy(float_dir, prompts, 8)  # the quantization changed something
 
 
-def _first_logprobs(path: str, **kwargs) -> list[dict[int, float]]:
+@functools.cache
+def _first_logprobs(path: str, quantization: str | None = None, tp: int = 1) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
-    llm = LLM(path, dtype="float32", load_format="dummy", **kwargs)
+    backend = "uni" if tp == 1 else "mp"
+    llm = LLM(path, dtype="float32", load_format="dummy", quantization=quantization,
+              tensor_parallel_size=tp, distributed_executor_backend=backend)  # fmt: skip
     try:
         outs = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], params, use_tqdm=False)
     finally:
@@ -160,8 +164,7 @@ def test_dummy_weights_in_each_format(quantized: dict, method: str) -> None:
     quantized into the format its tool writes; alike at TP=1 and TP=2 (benchmarks compare
     them), and close to the unquantized one."""
     path = quantized["float"][0]
-    tp1, tp2 = (_first_logprobs(path, quantization=method, tensor_parallel_size=tp)
-                for tp in (1, 2))  # fmt: skip
+    tp1, tp2 = (_first_logprobs(path, method, tp) for tp in (1, 2))
     assert [list(s) for s in tp1] == [list(s) for s in tp2]
     for a, b in zip(tp1, tp2, strict=True):
         assert all(abs(a[t] - b[t]) < 1e-3 for t in a)
