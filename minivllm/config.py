@@ -9,11 +9,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults
+from minivllm import generation_defaults, rope_config
+from minivllm.gguf_file import gguf_hf_config, is_gguf_path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
-_LOAD_FORMATS = ("auto", "dummy")
+_LOAD_FORMATS = ("auto", "dummy", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
@@ -21,9 +22,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantization methods the model loader implements (worker/layers/quantization/): a checkpoint
-# declares one in config.json's quantization_config; "fp8" also quantizes a 16-bit one at load
-QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
+# quantized linear layers (worker/layers/quantization/): a checkpoint declares one in
+# config.json's quantization_config; "fp8" also quantizes a 16-bit one at load
+LINEAR_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
+# every --quantization the loader implements: those, and a GGUF file's (dequantized at load)
+QUANTIZATION_METHODS: tuple[str, ...] = (*LINEAR_QUANTIZATION_METHODS, "gguf")
 _FP8_DYNAMIC_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
 # the quantization_config each method's tool writes (Qwen3-*-FP8, llm-compressor's
 # FP8_DYNAMIC, AutoAWQ, AutoGPTQ): what load_format="dummy" with --quantization lays out
@@ -99,8 +102,9 @@ class ModelConfig:
     generation_config: str = "auto"
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
-    # the weights' quantization method (one of QUANTIZATION_METHODS), from the checkpoint's
-    # quantization_config, else online fp8; None: the weights are in `dtype`
+    # the linear layers' quantization method (one of LINEAR_QUANTIZATION_METHODS), from the
+    # checkpoint's quantization_config, else online fp8; None: the weights are in `dtype`
+    # (a GGUF file's too: dequantized at load)
     quantization: str | None = None
 
     @property
@@ -153,6 +157,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     max_model_len: int
     async_scheduling: bool
+    # LongRoPE (Phi-3's long variants): a sequence longer than this is rotated with the long
+    # factors, every token of it, so its KV differs from a shorter sequence's of the same
+    # tokens: its blocks hash apart, and a sequence that grows past it is computed again
+    # (rope_config.long_rope_threshold; None: no such switch)
+    long_rope_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,28 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_hf_config(model: str) -> dict[str, Any]:
+    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
+    if is_gguf_path(model):
+        return gguf_hf_config(model)
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model: no config.json in {model!r}")
+    return _read_json(config_path)
+
+
+def _resolve_load_format(model: str, load_format: str, quantization: str | None) -> str:
+    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
+    weights of its geometry); "gguf", as load_format or quantization, needs one."""
+    gguf = is_gguf_path(model)
+    for name, value in (("load_format", load_format), ("quantization", quantization)):
+        if value == "gguf" and not gguf:
+            raise ValueError(f"{name}='gguf' needs model to be a GGUF file, got {model!r}")
+    if gguf and quantization not in (None, "gguf"):
+        raise ValueError(f"quantization={quantization!r}: a GGUF file's quantization is 'gguf'")
+    return "gguf" if gguf and load_format == "auto" else load_format
+
+
 def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
     gen_path = os.path.join(model_dir, "generation_config.json")
     eos: Any = None
@@ -209,14 +240,17 @@ def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
 def resolve_quantization(
     requested: str | None, hf_config: dict[str, Any], load_format: str
 ) -> str | None:
-    """The quantization method the weights load with: the one config.json declares (which
-    `requested` must match), else `requested` -- online for "fp8"; with dummy weights any
-    method, laid out as its tool writes it (hf_config gets that quantization_config)."""
+    """The quantization method the linear layers load with: the one config.json declares
+    (which `requested` must match), else `requested` -- online for "fp8"; with dummy weights
+    any method, laid out as its tool writes it (hf_config gets that quantization_config).
+    None for a GGUF file, whose weights are dequantized at load."""
+    if requested == "gguf" or load_format == "gguf":
+        return None
     declared = hf_config.get("quantization_config")
-    supported = ", ".join(QUANTIZATION_METHODS)
+    supported = ", ".join(LINEAR_QUANTIZATION_METHODS)
     if declared is not None:
         method = str(declared.get("quant_method", "")).lower().replace("_", "-")
-        if method not in QUANTIZATION_METHODS:
+        if method not in LINEAR_QUANTIZATION_METHODS:
             raise ValueError(
                 f"the checkpoint's quantization_config.quant_method {method!r} is not "
                 f"supported (supported: {supported})"
@@ -318,7 +352,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a directory with config.json")
+            raise ValueError("model must name a directory with config.json or a GGUF file")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         for name, choices in ENGINE_ARG_CHOICES.items():
             if getattr(self, name) not in choices:
@@ -392,10 +426,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {self.model!r}")
-        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -404,12 +435,14 @@ class EngineArgs:
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
 
-        derived_max = int(hf_config.get("max_position_embeddings") or 2048)
+        derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
+            scaled = derived_max != rope_config.max_position_embeddings(hf_config)
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({derived_max})"
+                + ("context with its rope scaling" if scaled else "max_position_embeddings")
+                + f" ({derived_max})"
             )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -419,16 +452,22 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
                 f"({max_model_len}) when enable_chunked_prefill is False"
             )
+        load_format = _resolve_load_format(self.model, self.load_format, self.quantization)
         model_cfg = _from_args(
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
+            load_format=load_format,
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
             eos_token_ids=_eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
-            quantization=resolve_quantization(self.quantization, hf_config, self.load_format),
+            quantization=resolve_quantization(self.quantization, hf_config, load_format),
+        )
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
         )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
@@ -455,6 +494,7 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
+                long_rope_threshold=rope_config.long_rope_threshold(hf_config, max_model_len),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None

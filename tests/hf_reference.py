@@ -19,6 +19,17 @@ def parity_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def longrope_prompts(original_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts about a LongRoPE checkpoint's original length (its switch to the long
+    factors): below it, growing past it while 12 tokens are generated, and past it from the
+    start. The long ones share prefixes with short ones, whose cached blocks (rotated with
+    the short factors) they must not reuse."""
+    rng = random.Random(seed)
+    base = [rng.randint(1, 300) for _ in range(original_len + 26)]
+    lengths = (12, 40, original_len - 8, original_len - 1, original_len, original_len + 1)
+    return [base[:n] for n in (*lengths, original_len + 16, len(base))] + [[7, *base[:70]]]
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
@@ -35,7 +46,8 @@ def _hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Token ids transformers' `generate` picks greedily, EOS ignored."""
+    """Token ids transformers' `generate` picks greedily, EOS ignored as `ignore_eos` does:
+    picked like any token and not an end (`min_new_tokens` would forbid it instead)."""
     model = _hf_model(path)
     outs = []
     with torch.no_grad():
@@ -43,8 +55,8 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             out = model.generate(
                 torch.tensor([p]),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
             )
             outs.append(out[0, len(p) :].tolist())

@@ -287,12 +287,13 @@ def test_max_model_len_ends_generation_and_bounds_prompts():
     results = run_sync(sched, runner)
     assert results.tokens["a"] == [7, 7] and results.final["a"][0] == FinishReason.LENGTH
     with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(make_request("long", [1] * 9))
+        sched.check_admission("long", 9)
     small = make_scheduler(num_blocks=2, max_model_len=64)
     with pytest.raises(ValueError, match="needs 3 KV blocks but the cache has only 2"):
-        small.add_request(make_request("big", [1] * 9))
+        small.check_admission("big", 9)
     with pytest.raises(ValueError, match="empty"):
-        small.add_request(make_request("empty", []))
+        small.check_admission("empty", 0)
+    small.check_admission("fits", 8)
 
 
 def test_a_lone_request_never_outgrows_the_cache():
@@ -405,9 +406,10 @@ def test_reset_prefix_cache_waits_for_idle_blocks():
 
 def test_duplicate_request_ids_are_refused():
     sched = make_scheduler()
+    sched.check_admission("a", 1)
     sched.add_request(make_request("a", [1]))
     with pytest.raises(ValueError, match="already in use"):
-        sched.add_request(make_request("a", [1]))
+        sched.check_admission("a", 1)
 
 
 def test_sample_seed_is_the_user_seed_or_distinct_per_request():
@@ -419,7 +421,7 @@ def test_sample_seed_is_the_user_seed_or_distinct_per_request():
 def test_request_from_engine_core_request():
     wire = EngineCoreRequest("r1", [1, 2], SamplingParams(ignore_eos=True), [EOS], 5.0, 7)
     request = Request.from_engine_core_request(wire, engine_seed=3)
-    assert request.client_id == 7 and request.eos_token_ids == set()
+    assert request.client_id == 7
     assert request.num_cached_tokens == -1 and request.status == RequestStatus.WAITING
     other = Request.from_engine_core_request(wire, engine_seed=4)
     assert request.sample_seed != other.sample_seed

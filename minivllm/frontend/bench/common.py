@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs, resolve_device
+from minivllm.config import EngineArgs, read_hf_config, resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
@@ -97,8 +95,7 @@ def start_llm(
 def max_token_id(model: str) -> int:
     """The largest id a random prompt may use: 10000 (vLLM's and the reference workload's
     range) unless the model's vocabulary is smaller."""
-    with open(os.path.join(model, "config.json")) as f:
-        return min(10000, int(json.load(f)["vocab_size"]) - 1)
+    return min(10000, int(read_hf_config(model)["vocab_size"]) - 1)
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:

@@ -6,7 +6,10 @@ all-reduce. A column-parallel layer followed by a row-parallel one (qkv -> o, ga
 thus costs one all-reduce, which a decoder leaves to the norm after it (`reduce_results`).
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
 rank's slice of a checkpoint tensor into it, as the parameter's `ShardSpec` says (a quantized
-weight's packed ints and scales split along with the weight's rows or columns).
+weight's packed ints and scales split along with the weight's rows or columns). The stacked
+layers (q/k/v, gate/up) take one checkpoint tensor per shard, or with shard_id None one that
+holds them all, fused as Phi-3 stores them: split into its shards first, so each rank still
+takes its own heads and its part of gate and of up, not a contiguous slice of the fused rows.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from minivllm.worker.layers.quantization.base import (
     UnquantizedLinearMethod,
     add_param,
 )
-from minivllm.worker.layers.weights import Loaded, copy_checked, full, narrow
+from minivllm.worker.layers.weights import (
+    Loaded,
+    copy_checked,
+    full,
+    lazy_rows,
+    narrow,
+    shape_of,
+)
 
 
 class _SplitLinear(nn.Module):
@@ -78,9 +88,19 @@ class _SplitLinear(nn.Module):
         rows = self.shape.output_per_rank
         return 0, self.tp.rank * rows, rows
 
+    def _fused_shards(self) -> list[tuple] | None:
+        """[(shard_id, rows in the checkpoint), ...] of a stacked layer, else None."""
+        return None
+
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         """Copy this rank's part of a checkpoint tensor into `param`, as its `ShardSpec` says."""
         spec: ShardSpec = getattr(param, "shard_spec", ShardSpec())
+        shards = self._fused_shards()
+        if shard_id is None and shards is not None:
+            if spec.output_dim != 0 or spec.output_div != 1 or spec.row_block != 1:
+                raise ValueError("a tensor fusing stacked shards is supported unquantized only")
+            _load_fused(self, param, loaded, shards)
+            return
         dst_row, src_row, rows = self._output_range(shard_id)
         dst, src = param.data, loaded
         if spec.max_of_shards:
@@ -131,7 +151,8 @@ class ColumnParallelLinear(_SplitLinear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up): per rank, each output's
-    shard is laid out one after another. Checkpoint tensors come with shard_id = 0, 1, ..."""
+    shard is laid out one after another. Checkpoint tensors come with shard_id = 0, 1, ...,
+    or all outputs in one (shard_id None: Phi-3's gate_up_proj)."""
 
     def __init__(
         self,
@@ -151,6 +172,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _output_shards(self) -> tuple[int, ...]:
         return tuple(divide(s, self.tp.size) for s in self.output_sizes)
 
+    def _fused_shards(self) -> list[tuple] | None:
+        return list(enumerate(self.output_sizes))
+
     def _output_range(self, shard_id: object) -> tuple[int, int, int]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
@@ -166,7 +190,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     Each rank holds num_heads / tp query heads and num_kv_heads / tp key/value heads; when
     tp > num_kv_heads every kv head is replicated on tp / num_kv_heads consecutive ranks.
-    Checkpoint tensors come with shard_id "q", "k" or "v".
+    Checkpoint tensors come with shard_id "q", "k" or "v", or all three in one (shard_id
+    None: Phi-3's qkv_proj).
     """
 
     def __init__(
@@ -182,6 +207,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         checkpoint_names: list[str] | None = None,
     ) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp.size)
         if tp.size >= num_kv_heads:
             self.num_kv_heads = 1
@@ -205,6 +231,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _output_shards(self) -> tuple[int, ...]:
         return (self.q_size, self.kv_size, self.kv_size)
 
+    def _fused_shards(self) -> list[tuple] | None:
+        q, kv = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
+        return [("q", q), ("k", kv), ("v", kv)]
+
     def _output_range(self, shard_id: object) -> tuple[int, int, int]:
         if shard_id == "q":
             return 0, self.tp.rank * self.q_size, self.q_size
@@ -213,6 +243,23 @@ class QKVParallelLinear(ColumnParallelLinear):
             src_rank = self.tp.rank // self.num_kv_replicas
             return offset, src_rank * self.kv_size, self.kv_size
         raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+
+def _load_fused(
+    layer: _SplitLinear, param: nn.Parameter, loaded: Loaded, shards: list[tuple]
+) -> None:
+    """Load a checkpoint tensor that holds every shard of a stacked layer, one after another
+    in its rows, [(shard_id, rows), ...], by loading each shard's rows."""
+    total = sum(n for _, n in shards)
+    if shape_of(loaded)[0] != total:
+        raise ValueError(
+            f"fused checkpoint shape {shape_of(loaded)} has {shape_of(loaded)[0]} rows, "
+            f"expected {total} ({', '.join(f'{sid}: {n}' for sid, n in shards)})"
+        )
+    start = 0
+    for shard_id, n in shards:
+        layer.weight_loader(param, lazy_rows(loaded, start, n), shard_id)
+        start += n
 
 
 class RowParallelLinear(_SplitLinear):

@@ -1,13 +1,13 @@
 """Quantized linear layers: one module per checkpoint format, and the registry that picks the
 format of a model (config.json's `quantization_config`, or `quantization="fp8"` online).
 
-The names are `minivllm.config.QUANTIZATION_METHODS`; each format's `QuantizationConfig`
+The names are `minivllm.config.LINEAR_QUANTIZATION_METHODS`; each format's `QuantizationConfig`
 gives every linear layer its `LinearMethod` (base.py).
 """
 
 from __future__ import annotations
 
-from minivllm.config import QUANTIZATION_METHODS, ModelConfig
+from minivllm.config import LINEAR_QUANTIZATION_METHODS, ModelConfig
 from minivllm.worker.layers.quantization.awq import AwqConfig
 from minivllm.worker.layers.quantization.base import QuantizationConfig
 from minivllm.worker.layers.quantization.compressed_tensors import CompressedTensorsConfig
@@ -17,7 +17,7 @@ from minivllm.worker.layers.quantization.gptq import GptqConfig
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     cls.name: cls for cls in (Fp8Config, CompressedTensorsConfig, AwqConfig, GptqConfig)
 }
-assert tuple(QUANTIZATION_CONFIGS) == QUANTIZATION_METHODS
+assert tuple(QUANTIZATION_CONFIGS) == LINEAR_QUANTIZATION_METHODS
 
 
 def get_quantization_config(config: ModelConfig) -> QuantizationConfig | None:
