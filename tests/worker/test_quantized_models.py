@@ -77,7 +77,7 @@ def test_block_scales_of_shards_that_start_mid_block(tmp_path) -> None:
     those layers keep a scale row per weight row, read from the checkpoint's blocks."""
     float_dir = build_checkpoint(
         str(tmp_path / "float"), "qwen3", hidden_size=256, num_heads=4, num_kv_heads=2,
-        head_dim=64, intermediate_size=384, seed=6,
+        head_dim=64, intermediate_size=512, seed=6,
     )  # fmt: skip
     path, _ = qm.build_quantized(float_dir, str(tmp_path), "fp8")
     prompts = parity_prompts()[:3]
