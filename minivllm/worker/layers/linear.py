@@ -29,11 +29,13 @@ from minivllm.worker.layers.quantization.base import (
 from minivllm.worker.layers.weights import (
     Loaded,
     copy_checked,
+    default_weight_loader,
     full,
     lazy_rows,
     narrow,
     shape_of,
 )
+from minivllm.worker.ops.gemv import linear
 
 
 class _SplitLinear(nn.Module):
@@ -294,3 +296,21 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.rank_bias)
         return self.tp.all_reduce(y) if self.reduce_results else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with all of W on every rank (a mixture-of-experts router): no sharding, no
+    communication."""
+
+    def __init__(
+        self, input_size: int, output_size: int, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        # torch.empty: the loader (or dummy init) fills every element
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)

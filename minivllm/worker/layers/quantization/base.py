@@ -113,6 +113,25 @@ class UnquantizedLinearMethod(LinearMethod):
         return layer.weight
 
 
+class FusedMoEMethod:
+    """How a mixture of experts' layer (`FusedMoE`, layers/fused_moe.py) holds and multiplies
+    its experts: the same three steps as a `LinearMethod`, on the stacked expert tensors
+    w13 [E, 2I, H] and w2 [E, H, I] and their scales, each parameter with a `ShardSpec` read
+    per expert (gate and up rows: its output dim; down's columns: its input dim)."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded checkpoint tensors to the kernels' layout (default: nothing)."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H] and its routing -> this rank's experts' sum [T, H]."""
+        raise NotImplementedError
+
+
 class QuantizationConfig:
     """One checkpoint's (or online) quantization: which layers, which method."""
 
@@ -141,6 +160,13 @@ class QuantizationConfig:
                 "or all not, but the skip list names only some"
             )
         return self.method()
+
+    def moe_method(self, module: str) -> FusedMoEMethod | None:
+        """The method of the experts of mixture-of-experts layer `module`; None: unquantized
+        (the skip list names them). A format without one refuses quantized experts."""
+        if self.is_ignored(module):
+            return None
+        raise ValueError(f"{self.name}: quantized experts ({module}) are not supported")
 
     def is_ignored(self, module: str) -> bool:
         """Entries are module names, suffixes of them, or (compressed-tensors) 're:' regexes."""
