@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_file
 from minivllm.config import CHECKPOINT_QUANTIZATION_CONFIGS
 
 FP8 = torch.float8_e4m3fn
-LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# the linear layers a quantized checkpoint quantizes: attention, MLP and experts (Mixtral's
+# w1/w2/w3), not a mixture's router (`mlp.gate`)
+LINEAR = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123])\.weight$")
 
 
 def fp8_block(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

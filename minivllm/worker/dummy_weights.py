@@ -116,8 +116,9 @@ def dummy_weights(
     quant_config: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small.
-    With a quantization format, the linear layers' weights are quantized and stored as
-    that format's checkpoints store them (FP8 blocks and their scales, packed INT4, ...)."""
+    With a quantization format, the linear layers' weights (and experts) are quantized and
+    stored as that format's checkpoints store them (FP8 blocks and their scales, packed
+    INT4, ...): the same weights as without one, before quantizing."""
     std = float(config.hf_config.get("initializer_range", 0.02))
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
@@ -127,13 +128,31 @@ def dummy_weights(
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
         tensor.normal_(0.0, std if len(shape) > 1 else std / 10, generator=gen)
-        module = name.removesuffix(".weight")
-        if quant_config is None or not _LINEAR.search(name) or quant_config.is_ignored(module):
+        experts = _FUSED_EXPERTS.search(name)
+        module = name.removesuffix(".weight") if experts is None else name[: experts.start()]
+        quantized = _LINEAR.search(name) or experts
+        if quant_config is None or not quantized or quant_config.is_ignored(module):
             yield name, tensor.to(dtype)
-            continue
-        for suffix, value in quant_config.checkpoint_tensors(module, tensor).items():
-            yield f"{module}.{suffix}", value
+        elif experts is None:
+            for suffix, value in quant_config.checkpoint_tensors(module, tensor).items():
+                yield f"{module}.{suffix}", value
+        else:
+            yield from _quantized_experts(module, experts.group(1), tensor, quant_config)
 
 
 # the linear layers' weights, which a quantized checkpoint stores in its format
 _LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"\.(gate_up_proj|down_proj)$")
+
+
+def _quantized_experts(
+    module: str, stack: str, tensor: torch.Tensor, quant_config: QuantizationConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stack of experts (gate_up [E, 2I, H] or down [E, H, I]) as a quantized checkpoint
+    stores it: each expert's gate, up and down quantized on their own (Qwen3-*-FP8's names)."""
+    parts = ("down_proj",) if stack == "down_proj" else ("gate_proj", "up_proj")
+    for e, weights in enumerate(tensor):
+        for part, w in zip(parts, weights.chunk(len(parts)), strict=True):
+            name = f"{module}.{e}.{part}"
+            for suffix, value in quant_config.checkpoint_tensors(name, w).items():
+                yield f"{name}.{suffix}", value

@@ -8,7 +8,8 @@ its output is a partial sum as well. Either way the sum over the ranks is left t
 norm after the layer.
 
 The expert weights are made, converted after loading and read by the layer's
-`quant_method` (quantization/base.py's `FusedMoEMethod`): the model's dtype here. Each parameter's `ShardSpec` tells the loader how a
+`quant_method` (quantization/base.py's `FusedMoEMethod`): the model's dtype here, FP8 with
+its scales in quantization/fp8_moe.py. Each parameter's `ShardSpec` tells the loader how a
 checkpoint tensor of one expert splits along the intermediate dimension.
 """
 

@@ -6,8 +6,10 @@ experts. Which layers are sparse: `ModelConfig.is_moe_layer` (Qwen3-MoE's
 `decoder_sparse_step` and `mlp_only_layers`; every layer of Mixtral).
 
 Checkpoint names, per layer (the model's own: `mlp.gate.weight`, `mlp.experts.w13_weight`,
-`mlp.experts.w2_weight`):
-- Qwen3-MoE: `mlp.gate.weight`, `mlp.experts.N.{gate,up,down}_proj.weight`;
+`mlp.experts.w2_weight`, and an FP8 checkpoint's scales beside them, `w13_weight_scale_inv`,
+...):
+- Qwen3-MoE: `mlp.gate.weight`, `mlp.experts.N.{gate,up,down}_proj.weight` (FP8: and
+  `.weight_scale_inv`, `.weight_scale`, `.input_scale` beside each);
 - Mixtral: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.N.{w1,w3,w2}.weight`
   (w1 the gate, w3 up, w2 down);
 - either, as transformers 5 holds them in memory (`save_pretrained(...,
@@ -70,7 +72,11 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, self.gate(x))
 
 
-_PER_EXPERT = re.compile(r"(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight)")
+# an expert's weight, or one of its scales in an FP8 checkpoint
+_PER_EXPERT = re.compile(
+    r"(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\."
+    r"(weight|weight_scale|weight_scale_inv|input_scale)"
+)
 _FUSED = re.compile(r"(.*\.)mlp\.experts\.(gate_up_proj|down_proj)")
 _PART_OF = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _PART_OF |= {"w1": "gate", "w3": "up", "w2": "down"}  # Mixtral's

@@ -19,16 +19,37 @@ has FP8 cuBLAS go through `torch._scaled_mm` with row-wise scales instead of the
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
-from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
+from minivllm.worker.ops._triton import (
+    interpreting,
+    pdl,
+    tl,
+    triton,
+    use_triton,
+    wait_for_producers,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_EPS = 1e-10  # the smallest activation amax: an all-zero group still divides
 BLOCK = 128  # the block-wise format's block edge, and its activation group
+
+
+@functools.cache
+def _fp8_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_kernels(x: torch.Tensor) -> bool:
+    """Whether the FP8 kernels run for x: on a GPU with FP8 tensor cores (compute capability
+    8.9+) or under the Triton interpreter; else the dequantizing reference path."""
+    if not use_triton(x):
+        return False
+    return interpreting() if not x.is_cuda else _fp8_device(x.device.index or 0)
 
 
 # ---- torch references (the CPU path and what the kernels are checked against)

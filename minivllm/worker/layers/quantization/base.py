@@ -166,7 +166,10 @@ class QuantizationConfig:
         (the skip list names them). A format without one refuses quantized experts."""
         if self.is_ignored(module):
             return None
-        raise ValueError(f"{self.name}: quantized experts ({module}) are not supported")
+        raise ValueError(
+            f"{self.name}: quantized experts ({module}) are not supported in this format; "
+            "quantized mixtures of experts load from fp8 and compressed-tensors (FP8) checkpoints"
+        )
 
     def is_ignored(self, module: str) -> bool:
         """Entries are module names, suffixes of them, or (compressed-tensors) 're:' regexes."""

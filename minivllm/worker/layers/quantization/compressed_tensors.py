@@ -16,11 +16,16 @@ from typing import Any
 
 import torch
 
-from minivllm.worker.layers.quantization.base import LinearMethod, QuantizationConfig
+from minivllm.worker.layers.quantization.base import (
+    FusedMoEMethod,
+    LinearMethod,
+    QuantizationConfig,
+)
 from minivllm.worker.layers.quantization.fp8 import (
     Fp8BlockLinearMethod,
     Fp8ChannelLinearMethod,
 )
+from minivllm.worker.layers.quantization.fp8_moe import Fp8MoEMethod
 from minivllm.worker.ops import fp8_gemm as ops
 
 SUPPORTED = (
@@ -76,6 +81,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         if self.strategy == "block":
             return Fp8BlockLinearMethod(scale_name="weight_scale")
         return Fp8ChannelLinearMethod(self.strategy == "tensor", self.static_input)
+
+    def moe_method(self, module: str) -> FusedMoEMethod | None:
+        if self.is_ignored(module):
+            return None
+        if self.strategy == "block":
+            return Fp8MoEMethod("block", "weight_scale")
+        return Fp8MoEMethod(self.strategy, static_input=self.static_input)
 
     def checkpoint_tensors(self, module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.strategy == "block":

@@ -16,7 +16,6 @@ activations unquantized: the reference path.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 
 from minivllm.worker.layers.quantization.base import (
     PLAIN,
+    FusedMoEMethod,
     LinearMethod,
     LinearShape,
     QuantizationConfig,
@@ -32,20 +32,9 @@ from minivllm.worker.layers.quantization.base import (
     add_param,
     replace_param,
 )
+from minivllm.worker.layers.quantization.fp8_moe import Fp8MoEMethod
 from minivllm.worker.ops import fp8_gemm as ops
-from minivllm.worker.ops._triton import interpreting, use_triton
-
-
-@functools.cache
-def _fp8_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def fp8_kernels(x: torch.Tensor) -> bool:
-    """Whether the FP8 kernels run for x (else the dequantizing reference path)."""
-    if not use_triton(x):
-        return False
-    return interpreting() if not x.is_cuda else _fp8_device(x.device.index or 0)
+from minivllm.worker.ops.fp8_gemm import fp8_kernels
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +173,15 @@ class Fp8Config(QuantizationConfig):
         if self.block:
             return Fp8BlockLinearMethod()
         return Fp8ChannelLinearMethod(per_tensor=True, static_input=self.static_input)
+
+    def moe_method(self, module: str) -> FusedMoEMethod | None:
+        if self.is_ignored(module):
+            return None
+        if not self.serialized:
+            return Fp8MoEMethod("online")
+        if self.block:
+            return Fp8MoEMethod("block", "weight_scale_inv")
+        return Fp8MoEMethod("tensor", static_input=self.static_input)
 
     def checkpoint_tensors(self, module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.block:
