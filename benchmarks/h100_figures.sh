@@ -58,7 +58,7 @@ for step in "${STEPS[@]}"; do
     kernels) run kernels 150 $B kernels --only attention ;;
     accuracy) run accuracy 120 $B kv-accuracy --calculate-kv-scales ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
-        tests/worker/test_quant_kernels.py ;;
+        tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py ;;
     quant-latency)  # batch-1 TPOT: FP8 block-wise <= 0.6x bf16's, AWQ INT4 <= 0.45x
         for q in bf16 fp8 awq; do
             flags=()
@@ -69,7 +69,7 @@ for step in "${STEPS[@]}"; do
     quant-throughput)  # the reference workload: FP8 block-wise >= 1.2x bf16's output tok/s
         run "throughput qwen3-8b bf16" 300 $B throughput --geometry qwen3-8b
         run "throughput qwen3-8b fp8" 300 $B throughput --geometry qwen3-8b --quantization fp8 ;;
-    quant-kernels) run quant-kernels 200 $B kernels --only quant ;;
+    quant-kernels) run quant-kernels 200 $B kernels --only quant ;;  # + Qwen3-30B-A3B's FP8 experts
     quant-accuracy) run quant-accuracy 200 $B kv-accuracy --geometry qwen3-8b --quantization fp8 ;;
     esac
 done
@@ -77,5 +77,5 @@ done
 echo "======== summary ($((SECONDS - START)) s)"
 grep -E "^== |passed|failed|Error|Throughput:|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
 agreement|KV cache: [0-9]|captured|decode attention|cascade attention|prefill attention|\
-steps, |^decode <=|^prefill \(|decode step|graph replay|quantized linear" "$LOG" \
+steps, |^decode <=|^prefill \(|decode step|graph replay|quantized linear|fp8 moe" "$LOG" \
     | grep -v "^== .*: python\|^== .*: env\|^== .*: timeout" | cut -c1-200

@@ -1,7 +1,9 @@
 """`minivllm bench kernels --only quant`: the quantized GEMMs at Qwen3-8B's layer shapes on a
 CUDA GPU, each checked against its torch reference, then timed against the bf16 matmul of
-the same shape (the GEMV for one row, cuBLAS beyond). TB/s: the bytes of the weight and its
-scales each call must read, over its time (the H100's device copy runs at ~3.0)."""
+the same shape (the GEMV for one row, cuBLAS beyond); and Qwen3-30B-A3B's experts in FP8
+blocks against bf16, the whole MoE layer replayed in a CUDA graph. TB/s: the bytes of the
+weight and its scales each call must read (of the experts: those routed to), over its time
+(the H100's device copy runs at ~3.0)."""
 
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ def reference(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def bench_quant(rows: list, bench: Callable[[Any], float]) -> None:
     from minivllm.worker.ops.gemv import linear
 
+    bench_fp8_moe(rows, bench)
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda") * 0.02
         w16 = w.to(torch.bfloat16)
@@ -92,3 +95,61 @@ def bench_quant(rows: list, bench: Callable[[Any], float]) -> None:
                     f"{nbytes / us / 1e6:.2f} TB/s W; bf16 {bf16_us:.1f} µs ({bf16_us / us:.2f}x)"
                 )
                 rows.append(("quantized linear", shape, us, note))
+
+
+def bench_fp8_moe(rows: list, bench: Callable[[Any], float]) -> None:
+    """One Qwen3-30B-A3B MoE layer (routing included) with its experts in 128x128 FP8 blocks
+    against the same experts in bf16, checked against the dequantized experts in torch."""
+    from minivllm.frontend.bench.moe_kernels import SHAPES as MOE_SHAPES
+    from minivllm.frontend.bench.moe_kernels import _captured, _layer, _touched_bytes
+    from minivllm.worker.ops.fused_moe import (
+        DequantizedExperts,
+        fused_experts,
+        fused_experts_fp8,
+        fused_experts_torch,
+    )
+    from minivllm.worker.ops.moe_routing import select_experts
+
+    shape = MOE_SHAPES["qwen3-30b-a3b"]
+    num_experts, top_k = shape[1], shape[2]
+    for num_tokens in (1, 64, 256, 2048):
+        w = _layer(shape, num_tokens)
+        experts = _fp8_block_experts(w["w13"], w["w2"])
+
+        def layer(w: dict = w, experts: Any = experts, fp8: bool = True) -> torch.Tensor:
+            weights, ids = select_experts(w["logits"], top_k, True)
+            if fp8:
+                return fused_experts_fp8(w["x"], experts, weights, ids, num_experts)
+            return fused_experts(w["x"], w["w13"], w["w2"], weights, ids, num_experts)
+
+        weights, ids = select_experts(w["logits"], top_k, True)
+        deq = [DequantizedExperts(op, torch.bfloat16) for op in (experts.w13, experts.w2)]
+        label = f"qwen3-30b-a3b, {num_tokens} tok, fp8 block"
+        want = fused_experts_torch(w["x"], *deq, weights, ids).float()
+        # both GEMMs' activations rounded to e4m3 (3 mantissa bits): ~4.5% (rms) off
+        # unquantized ones; a wrong kernel is off by ~100%
+        error = float((layer().float() - want).norm() / want.norm())
+        if not error < 0.1:
+            rows.append(("fp8 moe", label, float("nan"), f"wrong: relative error {error:.3f}"))
+            continue
+        us = bench(_captured(layer).replay)
+        bf16_us = bench(_captured(lambda w=w: layer(w, fp8=False)).replay)
+        touched = _touched_bytes(ids, shape, w) / 2  # one byte a weight (scales: 0.02%)
+        note = (
+            f"{touched / us / 1e6:.2f} TB/s of experts; bf16 {bf16_us:.0f} µs "
+            f"({bf16_us / us:.2f}x); error {error:.3f} of the dequantized experts' output"
+        )
+        rows.append(("fp8 moe", label, us, note))
+
+
+def _fp8_block_experts(w13: torch.Tensor, w2: torch.Tensor) -> Any:
+    """Experts [E, N, K] quantized in 128x128 blocks, as Qwen3-30B-A3B-FP8 stores them."""
+    from minivllm.worker.ops import fp8_gemm as ops
+    from minivllm.worker.ops.fused_moe import Fp8Experts, Fp8Operand
+
+    def stack(w: torch.Tensor) -> Fp8Operand:
+        blocks = [ops.quantize_weight_block(e) for e in w]
+        q, s = (torch.stack([b[i] for b in blocks]) for i in (0, 1))
+        return Fp8Operand(q, s, ops.BLOCK)
+
+    return Fp8Experts(stack(w13), stack(w2), per_group=True)
