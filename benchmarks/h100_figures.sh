@@ -58,7 +58,8 @@ for step in "${STEPS[@]}"; do
     kernels) run kernels 150 $B kernels --only attention ;;
     accuracy) run accuracy 120 $B kv-accuracy --calculate-kv-scales ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
-        tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py ;;
+        -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
+        tests/worker/test_gpu_moe.py ;;
     quant-latency)  # batch-1 TPOT: FP8 block-wise <= 0.6x bf16's, AWQ INT4 <= 0.45x
         for q in bf16 fp8 awq; do
             flags=()
