@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults
+from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
@@ -80,6 +81,17 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None where it sees the whole context."""
+        return layer_sliding_windows(self.hf_config, self.num_layers, self.max_model_len)
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """Set when every layer attends over a window: the KV blocks behind the largest are
+        read by no layer and go back to the pool (engine_core/kv_cache_manager.py)."""
+        return kv_sliding_window(self.sliding_windows)
 
 
 @dataclass(frozen=True)
@@ -348,6 +360,7 @@ class EngineArgs:
             eos_token_ids=_eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
         )
+        _ = model_cfg.sliding_windows  # a layout no layer can serve fails here, not in a worker
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(

@@ -55,7 +55,9 @@ class EngineCore:
         start = time.monotonic()
         self.executor = executor_class(config)
         self.num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, config.model.kv_sliding_window
+        )
         # steps launched but not yet applied: at most one in flight with async scheduling
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1

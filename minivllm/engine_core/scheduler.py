@@ -39,15 +39,29 @@ ClientOutputs = dict[int, list[EngineCoreOutput]]
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: set when every layer of the model attends over a window of at
+        most that many tokens (`ModelConfig.kv_sliding_window`); blocks behind it are freed."""
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
+        self.block_size = bs = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, bs, cache_config.enable_prefix_caching, sliding_window
         )
-        # a sequence never outgrows the whole cache, so a request alone always fits
-        self.max_len = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
+        # a request alone always fits: its sequence never outgrows the whole cache, or, under
+        # a sliding window, the blocks one step holds (its window and its new tokens) fit
+        step_tokens = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+        self.window_bounds_blocks = (
+            sliding_window is not None
+            and cdiv(sliding_window - 1 + step_tokens, bs) + 1 <= num_blocks
+        )
+        self.max_len = scheduler_config.max_model_len
+        if not self.window_bounds_blocks:
+            self.max_len = min(self.max_len, num_blocks * bs)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,7 +86,7 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})"
             )
         num_blocks = self.kv_cache_manager.num_blocks
-        if cdiv(n, self.block_size) > num_blocks:
+        if cdiv(n, self.block_size) > num_blocks and not self.window_bounds_blocks:
             raise ValueError(
                 f"request {request_id}: the prompt ({n} tokens) needs "
                 f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "
