@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.tiny_models import build_checkpoint
+from tests.tiny_models import build_checkpoint, build_window_checkpoints
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,6 +32,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             str(root / "llama"), "llama", tie_word_embeddings=False, seed=3, max_shard_size="100KB"
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Paths of tiny checkpoints with 8-token sliding windows: gemma3, gemma3-pattern (the
+    older config layout), mistral-window (see tests/tiny_models.py)."""
+    return build_window_checkpoints(str(tmp_path_factory.mktemp("window_models")))
 
 
 @pytest.fixture(scope="session")

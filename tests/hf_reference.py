@@ -25,17 +25,19 @@ def _hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Token ids transformers' `generate` picks greedily, EOS ignored."""
+    """Token ids transformers' `generate` picks greedily, EOS ignored (as `ignore_eos` does:
+    the EOS id is still picked where it is the argmax; `min_new_tokens` would mask it)."""
     model = _hf_model(path)
+    no_such_id = model.config.get_text_config().vocab_size
     outs = []
     with torch.no_grad():
         for p in prompts:
             out = model.generate(
                 torch.tensor([p]),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                eos_token_id=no_such_id,
             )
             outs.append(out[0, len(p) :].tolist())
     return outs

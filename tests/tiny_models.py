@@ -53,6 +53,7 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -95,19 +96,22 @@ def build_checkpoint(
         bos_token_id=None,
         pad_token_id=0,
     )
-    if arch in ("qwen3", "llama", "mistral"):
+    if arch in ("qwen3", "llama", "mistral", "gemma3"):
         kwargs["head_dim"] = head_dim
     if arch == "mistral":
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = extra_config.pop("sliding_window", None)
     config = config_cls(**kwargs, **extra_config)
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
         # larger-than-default weights so greedy decoding is not a constant token
+        # (and Gemma's norms, whose weight starts at its offset 0: so that the offset counts)
         for p in model.parameters():
-            if p.dim() > 1:
+            if p.dim() > 1 or arch == "gemma3":
                 p.normal_(0.0, 0.2)
+        if arch == "gemma3":  # scaled by sqrt(hidden): as large as the other models' after it
+            model.model.embed_tokens.weight.normal_(0.0, 0.2 / hidden_size**0.5)
     os.makedirs(out_dir, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
@@ -115,6 +119,57 @@ def build_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos_token_ids if eos_token_ids is not None else [0]}, f)
     return out_dir
+
+
+def build_window_checkpoints(root: str) -> dict[str, str]:
+    """Tiny checkpoints with sliding windows of 8 tokens, shorter than most test prompts:
+    gemma3 (sliding, global, sliding layers; its own attention scale, local RoPE base,
+    linear RoPE scaling on the global layer, logit soft-capping), gemma3-pattern (the same
+    model family in the older config layout: `sliding_window_pattern`, `rope_theta` +
+    `rope_local_base_freq`, tied embeddings left to the default), and mistral-window (every
+    layer windowed, so the engine frees the blocks behind the window)."""
+    gemma = dict(
+        num_layers=3,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        final_logit_softcapping=5.0,
+    )
+    paths = {
+        "gemma3": build_checkpoint(
+            os.path.join(root, "gemma3"),
+            "gemma3",
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            seed=4,
+            **gemma,
+        ),
+        "gemma3-pattern": build_checkpoint(
+            os.path.join(root, "gemma3-pattern"), "gemma3", seed=5, **{**gemma, "num_layers": 4}
+        ),
+        "mistral-window": build_checkpoint(
+            os.path.join(root, "mistral-window"), "mistral", seed=6, sliding_window=8
+        ),
+    }
+    # as Gemma 3 checkpoints on the Hub write it: global layer every 2nd (layers 1 and 3)
+    _rewrite_config(
+        paths["gemma3-pattern"],
+        drop=("layer_types", "_sliding_window_pattern", "rope_parameters", "tie_word_embeddings"),
+        sliding_window_pattern=2,
+        rope_theta=10000.0,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    return paths
+
+
+def _rewrite_config(path: str, drop: tuple[str, ...] = (), **values: object) -> None:
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config = {k: v for k, v in config.items() if k not in drop}
+    with open(config_path, "w") as f:
+        json.dump({**config, **values}, f, indent=2)
 
 
 def build_null_checkpoint(out_dir: str, **extra_config: object) -> str:

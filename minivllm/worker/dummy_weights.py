@@ -45,6 +45,9 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
         layer["mlp.down_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if variant.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,)})
+        layer.update({"post_feedforward_layernorm.weight": (h,)})
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(config.num_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
@@ -57,11 +60,13 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
 def dummy_weights(
     config: ModelConfig, variant: DecoderVariant, device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small."""
+    """(HF name, full tensor) pairs: norms 1 (Gemma's stored offset 0), matrices
+    N(0, initializer_range), biases small."""
     std = float(config.hf_config.get("initializer_range", 0.02))
+    norm_fill = 0.0 if variant.norm_offset else 1.0
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+            yield name, torch.full(shape, norm_fill, dtype=dtype, device=device)
             continue
         digest = hashlib.sha256(f"{config.seed}:{name}".encode()).digest()
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from minivllm.config import EngineArgs
@@ -67,3 +69,46 @@ def test_greedy_matches_transformers_under_pressure(qwen3_dir: str, engine_kwarg
         assert stats["num_preemptions"] >= 2
     if not engine_kwargs.get("enable_prefix_caching", True):
         assert stats["prefix_cache_hits"] == 0
+
+
+@functools.cache
+def _hf_expected(path: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, hf_greedy(path, parity_prompts(), MAX_TOKENS)))
+
+
+_WINDOW_CASES = [
+    pytest.param(dict(block_size=4), id="block4"),
+    pytest.param(dict(block_size=4, enable_prefix_caching=False), id="no-prefix-cache"),
+    pytest.param(dict(block_size=4, async_scheduling=False), id="sync-scheduling"),
+    pytest.param(dict(block_size=4, max_num_batched_tokens=16), id="chunked-prefill"),
+    pytest.param(dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96), id="preemption"),
+]
+
+
+@pytest.mark.parametrize("engine_kwargs", _WINDOW_CASES)
+@pytest.mark.parametrize("model", ["gemma3", "gemma3-pattern", "mistral-window"])
+def test_sliding_window_greedy_matches_transformers(
+    window_models: dict[str, str], model: str, engine_kwargs: dict
+) -> None:
+    """8-token windows under prompts of up to 60 tokens and 12 more generated: Gemma 3's
+    interleaved sliding and global layers, Mistral's windowed layers (whose blocks behind
+    the window go back to the pool)."""
+    path = window_models[model]
+    got, stats = run_core(path, parity_prompts(), **engine_kwargs)
+    assert got == [list(t) for t in _hf_expected(path)]
+    if engine_kwargs.get("enable_prefix_caching", True):
+        assert stats["prefix_cache_hits"] > 0
+    if "num_gpu_blocks_override" in engine_kwargs and model.startswith("gemma3"):
+        assert stats["num_preemptions"] >= 2  # every block of a sequence is kept
+
+
+def test_windowed_contexts_outgrow_the_kv_cache(window_models: dict[str, str]) -> None:
+    """Mistral's blocks behind its 8-token window go back to the pool, so sequences of 72
+    tokens (18 blocks) run in a cache of 8 blocks, many at once, with the same tokens."""
+    path = window_models["mistral-window"]
+    prompts = parity_prompts()
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 8 * 4
+    kwargs = dict(num_gpu_blocks_override=8, block_size=4, max_num_batched_tokens=16)
+    got, stats = run_core(path, prompts, max_model_len=96, **kwargs)
+    assert got == [list(t) for t in _hf_expected(path)]
+    assert stats["num_preemptions"] > 0  # nine requests took turns in the 8 blocks

@@ -9,7 +9,7 @@ from torch import nn
 
 from minivllm.worker.ops.rotary import build_cos_sin_cache, qk_norm_rope
 
-_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from minivllm.config import ModelConfig
+from minivllm.worker.models.gemma3 import Gemma3ForCausalLM
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
 from minivllm.worker.models.null_model import NullForCausalLM
 
+_GEMMA3 = DecoderVariant(
+    qk_norm=True, norm_offset=True, sandwich_norms=True, tie_word_embeddings=True
+)
 _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "LlamaForCausalLM": (CausalLM, DecoderVariant()),
     "MistralForCausalLM": (CausalLM, DecoderVariant()),
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, _GEMMA3),
     "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
@@ -28,13 +33,5 @@ def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVa
             f"architecture {arch!r} is not supported; supported: "
             f"{', '.join(supported_architectures())}"
         )
-    hf = config.hf_config
-    sliding = hf.get("sliding_window")
-    uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_sliding and sliding and config.max_model_len > int(sliding):
-        raise ValueError(
-            f"{arch} uses sliding-window attention ({sliding} tokens), which is not "
-            f"supported; set max_model_len <= {sliding}"
-        )
     model_cls, variant = _ARCHITECTURES[arch]
-    return model_cls, variant.for_checkpoint(hf)
+    return model_cls, variant.for_checkpoint(config.hf_config)

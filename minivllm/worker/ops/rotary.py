@@ -1,4 +1,5 @@
-"""Per-head RMSNorm (Qwen3's q_norm / k_norm) plus NeoX-style rotary, fused and in place.
+"""Per-head RMSNorm (Qwen3's q_norm / k_norm; Gemma's, with its weight offset from 1) plus
+NeoX-style rotary, fused and in place.
 
 The cos/sin cache is one tensor `[max_pos, head_dim]`: columns `[0, head_dim/2)` hold
 cos(pos * inv_freq), columns `[head_dim/2, head_dim)` sin(pos * inv_freq). Rotation is HF's
@@ -37,8 +38,10 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """[max_pos, head_dim] cos|sin table, computed in float32 the way HF does, then cast.
 
-    `rope_scaling` may be None / {"rope_type": "default"} or Llama 3.1's {"rope_type": "llama3",
-    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    `rope_scaling` may be None / {"rope_type": "default"}, Llama 3.1's {"rope_type": "llama3",
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, or
+    {"rope_type": "linear", "factor"} (positions divided by the factor: Gemma 3's global
+    layers).
     """
     inv_freq = 1.0 / (
         rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
@@ -55,8 +58,11 @@ def build_cos_sin_cache(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "linear":
+        assert rope_scaling is not None
+        inv_freq = inv_freq / float(rope_scaling["factor"])
     elif rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3, linear)")
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
 
@@ -65,6 +71,7 @@ def build_cos_sin_cache(
 def _norm_rope_heads(
     x_ptr, stride_h, n_heads, w_ptr, cos, sin, eps,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
@@ -79,9 +86,12 @@ def _norm_rope_heads(
         rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
-        # rounded to the activation dtype twice, as HF's RMSNorm does
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        if NORM_OFFSET:  # Gemma's: times 1 + w in float32, rounded once
+            x1 = (x1 * rstd * (1.0 + w1)).to(dtype).to(tl.float32)
+            x2 = (x2 * rstd * (1.0 + w2)).to(dtype).to(tl.float32)
+        else:  # rounded to the activation dtype twice, as HF's RMSNorm does
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
     tl.store(ptrs, y1, mask=mask)
@@ -98,7 +108,7 @@ def _qk_norm_rope_kernel(
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
     APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr, PAGE: tl.constexpr,
-    FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, NORM_OFFSET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     tok = tl.program_id(0)
@@ -108,11 +118,11 @@ def _qk_norm_rope_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d).to(tl.float32)[None, :]
     _norm_rope_heads(
         q_ptr + tok * stride_q_tok, stride_q_head, n_q_heads, q_w_ptr, cos, sin, eps,
-        BLOCK_HQ, HALF, APPLY_NORM,
+        BLOCK_HQ, HALF, APPLY_NORM, NORM_OFFSET,
     )  # fmt: skip
     k1, k2 = _norm_rope_heads(
         k_ptr + tok * stride_k_tok, stride_k_head, n_k_heads, k_w_ptr, cos, sin, eps,
-        BLOCK_HK, HALF, APPLY_NORM,
+        BLOCK_HK, HALF, APPLY_NORM, NORM_OFFSET,
     )  # fmt: skip
     if STORE_KV:
         # rows past the slot mapping (padding) and slot -1 are not stored
@@ -142,6 +152,7 @@ def qk_norm_rope_torch(
     positions: torch.Tensor,
     eps: float,
     apply_norm: bool,
+    norm_offset: bool = False,
 ) -> None:
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
     for x, w in ((q, q_norm_w), (k, k_norm_w)):
@@ -149,7 +160,10 @@ def qk_norm_rope_torch(
         if apply_norm:
             assert w is not None
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-            x32 = (w * x32.to(x.dtype)).float()
+            if norm_offset:
+                x32 = (x32 * (1.0 + w.float())).to(x.dtype).float()
+            else:
+                x32 = (w * x32.to(x.dtype)).float()
         x1, x2 = x32.chunk(2, dim=-1)
         x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
@@ -167,9 +181,11 @@ def qk_norm_rope(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    norm_offset: bool = False,
 ) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (views with unit last stride are fine):
-    optional per-head RMSNorm with weights [D], then rotary at `positions` [T] (int64).
+    optional per-head RMSNorm with weights [D] (`norm_offset`: Gemma's, times 1 + w), then
+    rotary at `positions` [T] (int64).
 
     With `v` [T, Hkv, D], `kv_cache` [2, num_blocks, block_size, Hkv, D] and `slot_mapping`
     (int64, one flat slot per token; -1, and rows past its end, are not stored), token t's
@@ -186,7 +202,9 @@ def qk_norm_rope(
     if not use_triton(q):
         if fuse_store:
             raise ValueError("the KV store is fused only into the Triton kernel")
-        qk_norm_rope_torch(q, k, q_norm_w, k_norm_w, cos_sin_cache, positions, eps, apply_norm)
+        qk_norm_rope_torch(
+            q, k, q_norm_w, k_norm_w, cos_sin_cache, positions, eps, apply_norm, norm_offset
+        )
         return
     assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1
     q_w = q_norm_w if apply_norm else cos_sin_cache  # dummies when the norm is off
@@ -211,5 +229,5 @@ def qk_norm_rope(
         q.shape[1], k.shape[1], eps, *v_args, *cache_strides,
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]),
         HALF=head_dim // 2, APPLY_NORM=apply_norm, STORE_KV=fuse_store, PAGE=page, FP8=fp8,
-        **pdl(q),
+        NORM_OFFSET=norm_offset, **pdl(q),
     )  # fmt: skip
