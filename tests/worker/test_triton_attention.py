@@ -5,7 +5,9 @@ interpreter in a subprocess, since TRITON_INTERPRET must be set before triton is
 A case may run with an FP8 cache (`:fp8`: the reference attends the dequantized cache, and
 the stored bytes must equal the torch quantization's). Cascade cases share their first P
 tokens' blocks between all decode sequences and run the cascade kernels; the reference is
-plain attention.
+plain attention. Window cases (`WINDOWS`) attend over a sliding window; the block-table
+entries wholly behind each sequence's window point at a block of NaNs, as blocks the
+engine-core freed would hold anything: a kernel that read one would return NaN.
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ CASES: dict[str, tuple] = {
     "cascade": ([(1, 50), (1, 133), (1, 49), (1, 0)], 4, 2, 64, 16, 48),
     "cascade_mixed": ([(1, 70), (1, 33), (17, 81), (40, 40)], 8, 2, 64, 32, 32),
     "cascade_many": ([(1, 40 + 7 * i) for i in range(20)], 4, 2, 64, 16, 32),
+    # sliding windows (WINDOWS): decodes past and within the window, split-KV; prefill tiles
+    # whose rows start their windows in different key tiles; a cascade step, which a
+    # windowed layer attends without the shared prefix
+    "window_decode": ([(1, 100), (1, 7), (1, 33), (1, 0)], 4, 2, 64, 16, 1),
+    "window_decode_split": ([(1, 300), (1, 24), (1, 129)], 8, 2, 64, 16, 4),
+    "window_prefill": ([(70, 70), (33, 97), (1, 18), (50, 200)], 4, 2, 64, 16, None),
+    "window_mixed": ([(1, 50), (1, 133), (17, 81), (40, 40)], 8, 2, 64, 32, 2),
+    "window_cascade": ([(1, 90), (1, 133), (1, 70)], 4, 2, 64, 16, 48),
+}
+WINDOWS = {
+    "window_decode": 24,
+    "window_decode_split": 40,
+    "window_prefill": 21,
+    "window_mixed": 37,
+    "window_cascade": 17,
 }
 
 
@@ -44,7 +61,8 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
     from tests.attention_step import attend
 
     seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
-    shared = splits if name.startswith("cascade") else 0  # tokens of the shared prefix
+    window = WINDOWS.get(name)
+    shared = splits if "cascade" in name else 0  # tokens of the shared prefix
     splits = None if shared else splits
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     # a "decode" here is any leading sequence with one query token (as the runner orders them)
@@ -98,6 +116,11 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         return dequantize(quantize(x, kv_scale[i].cpu(), FP8), kv_scale[i].cpu(), torch.float64)
 
     cache = torch.stack([stored_as(cache[i], i) for i in range(2)])
+    if window is not None:  # blocks behind each window: freed, and now anything (NaN)
+        freed = int(perm[-1])  # a block no sequence holds
+        cache[:, freed] = float("nan")
+        for i, (q_len, seq_len) in enumerate(seqs):
+            block_table[i, : max(0, seq_len - q_len - window + 1) // block_size] = freed
     expected_cache = cache.clone().view(2, -1, num_kv_heads, head_dim)
     stored = slot_mapping >= 0
     expected_cache[0, slot_mapping[stored]] = stored_as(k[stored], 0)
@@ -142,12 +165,13 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         meta,
         scale,
         kv_scale,
+        window,
     )
 
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     got_cache = kv_cache.view(2, -1, num_kv_heads, head_dim).cpu()
     got_cache = torch.stack([dequantize(got_cache[i], scales[i], torch.float64) for i in range(2)])
-    torch.testing.assert_close(got_cache, expected_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got_cache, expected_cache, atol=0, rtol=0, equal_nan=True)
     gqa = num_heads // num_kv_heads
     row = 0
     for i, (q_len, seq_len) in enumerate(seqs):
@@ -162,8 +186,13 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         vf = stored_as(full_v[i], 1).repeat_interleave(gqa, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, kf) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
-        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+        key_pos = torch.arange(seq_len)[None, :]
+        hidden = key_pos > q_pos
+        if window is not None:
+            hidden |= key_pos <= q_pos - window
+        ref = torch.einsum(
+            "hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), vf
+        )
         torch.testing.assert_close(
             got, ref, atol=tol, rtol=tol, msg=lambda m, i=i: f"{name} {i}: {m}"
         )
@@ -175,8 +204,10 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
     [["decode", "decode_split", "decode_split_auto_gqa8", "decode_gqa3_d128"],
      ["prefill", "prefill_prefix", "mixed_block32", "mixed_fresh"],
      ["decode_split:fp8", "mixed_block32:fp8", "mixed_fresh:fp8"],
-     ["cascade", "cascade_mixed:fp8", "cascade_many"]],
-    ids=["decode", "prefill", "fp8", "cascade"],
+     ["cascade", "cascade_mixed:fp8", "cascade_many"],
+     ["window_decode", "window_decode_split", "window_prefill", "window_mixed:fp8",
+      "window_cascade"]],
+    ids=["decode", "prefill", "fp8", "cascade", "window"],
 )  # fmt: skip
 def test_triton_attention_interpreted(names: list[str]) -> None:
     run_interpreted(__file__, *names)
