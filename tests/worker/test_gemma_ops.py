@@ -152,6 +152,44 @@ def test_rotary_norm_offset_torch_path_equals_transformers() -> None:
 
 
 @needs_triton
+def test_gemma_kernels_compile_for_hopper() -> None:
+    """Gemma's kernel variants build for sm_90 without a GPU: the norm (alone and with the
+    add between two norms), GELU * up, the GEMV's GELU prologue, the rotary's offset norm."""
+    from minivllm.worker.ops import activation, gemma_norm, gemv
+    from tests.hopper_compile import compile_for_hopper
+
+    i32 = "i32"
+    norm_sig = dict.fromkeys(("x_ptr", "res_ptr", "post_w_ptr", "w_ptr", "out_ptr"), "*bf16")
+    norm_sig |= {"new_res_ptr": "*bf16"}
+    norm_sig |= dict.fromkeys(("stride_x", "stride_res", "stride_out", "stride_new_res"), i32)
+    norm_sig |= {"n_cols": i32, "eps": "fp32"}
+    for sandwich in (False, True):
+        compile_for_hopper(
+            gemma_norm._gemma_norm_kernel, norm_sig, {"BLOCK": 1024, "SANDWICH": sandwich}, 4
+        )
+    act_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": i32, "stride_out": i32}
+    act = compile_for_hopper(
+        activation._act_and_mul_kernel, act_sig | {"n_cols": i32}, {"BLOCK": 1024, "GELU": True}, 4
+    )
+    assert "ex2.approx" in act.asm["ptx"]  # the sigmoid of the tanh form
+    gemv_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": i32}
+    gemv_sig |= dict.fromkeys(("stride_xm", "stride_wn", "stride_om"), i32)
+    gemv_sig |= {"res_ptr": "*bf16", "new_res_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"}
+    consts = {"M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "PROLOGUE": 3, "HAS_RESIDUAL": False}
+    compile_for_hopper(gemv._gemv_kernel, gemv_sig, consts | {"ONE_SLICE": False}, 8)
+    rope_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16"}
+    rope_sig |= {"cache_ptr": "*fp32", "pos_ptr": "*i64"}
+    rope_sig |= dict.fromkeys(("stride_q_tok", "stride_q_head", "stride_k_tok"), i32)
+    rope_sig |= dict.fromkeys(("stride_k_head", "stride_cache", "n_q_heads", "n_k_heads"), i32)
+    rope_sig |= {"eps": "fp32", "v_ptr": "*bf16", "kv_ptr": "*bf16", "slot_ptr": "*i64"}
+    rope_sig |= {"kv_scale_ptr": "*fp32", "n_slots": i32}
+    rope_sig |= dict.fromkeys(("stride_v_tok", "stride_v_head", "stride_c_kv"), i32)
+    rope_sig |= dict.fromkeys(("stride_c_blk", "stride_c_pos", "stride_c_head"), i32)
+    consts = dict(BLOCK_HQ=8, BLOCK_HK=4, HALF=128, APPLY_NORM=True, STORE_KV=True, PAGE=16)
+    compile_for_hopper(rotary._qk_norm_rope_kernel, rope_sig, consts | {"NORM_OFFSET": True}, 4)
+
+
+@needs_triton
 def test_gemma_ops_interpreted() -> None:
     run_interpreted(__file__)
 
