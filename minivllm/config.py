@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults
+from minivllm.language_model_config import language_model_config
 from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -326,7 +327,8 @@ class EngineArgs:
         config_path = os.path.join(self.model, "config.json")
         if not os.path.isfile(config_path):
             raise ValueError(f"model: no config.json in {self.model!r}")
-        hf_config = {**_read_json(config_path), **self.hf_overrides}
+        # a multimodal checkpoint whose language model is served alone: that model's config
+        hf_config = {**language_model_config(_read_json(config_path)), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":

@@ -163,6 +163,62 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
     return paths
 
 
+def build_gemma3_multimodal(out_dir: str, hub_layout: bool = False, seed: int = 7) -> str:
+    """A tiny Gemma3ForConditionalGeneration (a one-layer vision tower beside a Gemma 3 text
+    model with an 8-token window). `hub_layout`: the text model's weights named
+    `model.language_model.*` and its config written as the Hub's Gemma 3 checkpoints write
+    it, only the settings that differ from transformers' defaults."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=8, sliding_window_pattern=3, rms_norm_eps=1e-6, eos_token_id=0,
+        pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
+        boi_token_index=381, eoi_token_index=382, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+        model.get_input_embeddings().weight.normal_(0.0, 0.2 / 64**0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [0]}, f)
+    if hub_layout:
+        path = os.path.join(out_dir, "model.safetensors")
+        weights = load_file(path)
+        prefix = "language_model.model."
+        renamed = {
+            "model.language_model." + k[len(prefix) :] if k.startswith(prefix) else k: v
+            for k, v in weights.items()
+        }
+        save_file(renamed, path, metadata={"format": "pt"})
+        defaults = transformers.Gemma3TextConfig().to_dict()
+        with open(os.path.join(out_dir, "config.json")) as f:
+            saved = json.load(f)
+        saved["text_config"] = {
+            k: v
+            for k, v in saved["text_config"].items()
+            if k == "model_type" or k not in defaults or defaults[k] != v
+        }
+        saved["text_config"].pop("layer_types")  # the pattern instead, as 2025's configs
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(saved, f, indent=2)
+    return out_dir
+
+
 def _rewrite_config(path: str, drop: tuple[str, ...] = (), **values: object) -> None:
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:

@@ -11,6 +11,7 @@ from minivllm.engine_core.engine_core import EngineCore
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, parity_prompts
+from tests.tiny_models import build_gemma3_multimodal
 
 MAX_TOKENS = 12
 
@@ -112,3 +113,13 @@ def test_windowed_contexts_outgrow_the_kv_cache(window_models: dict[str, str]) -
     got, stats = run_core(path, prompts, max_model_len=96, **kwargs)
     assert got == [list(t) for t in _hf_expected(path)]
     assert stats["num_preemptions"] > 0  # nine requests took turns in the 8 blocks
+
+
+@pytest.mark.parametrize("hub_layout", [False, True], ids=["saved", "hub-layout"])
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, hub_layout: bool) -> None:
+    """Gemma3ForConditionalGeneration, text prompts: transformers' tokens, from its weights
+    under either naming and from a config that leaves the text model's defaults out."""
+    path = build_gemma3_multimodal(str(tmp_path / "gemma3-mm"), hub_layout=hub_layout)
+    prompts = parity_prompts()
+    got, _ = run_core(path, prompts, block_size=4)
+    assert got == hf_greedy(path, prompts, MAX_TOKENS)

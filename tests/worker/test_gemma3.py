@@ -102,3 +102,20 @@ def test_dummy_weights_load_and_give_finite_logits(window_models: dict[str, str]
     with torch.no_grad():
         logits = model.compute_logits(model(input_ids, positions, kv, meta))
     assert torch.isfinite(logits).all() and logits.shape == (11, config.vocab_size)
+
+
+def test_text_model_defaults_are_transformers() -> None:
+    """What a Hub config of Gemma3ForConditionalGeneration leaves out of its text_config."""
+    from transformers import Gemma3TextConfig
+
+    from minivllm.language_model_config import GEMMA3_TEXT_DEFAULTS as ours
+
+    hf = Gemma3TextConfig().to_dict()
+    rope = hf["rope_parameters"]
+    theirs = {
+        **hf,
+        "rope_theta": rope["full_attention"]["rope_theta"],
+        "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
+        "sliding_window_pattern": hf["_sliding_window_pattern"],
+    }
+    assert {k: theirs[k] for k in ours} == ours

@@ -16,10 +16,16 @@ What sets it apart, as transformers' Gemma3ForCausalLM computes it:
 
 Every layer shares one block table, so a global layer keeps every KV block of a sequence: no
 block goes back to the pool behind the sliding layers' window (kv_cache_manager.py).
+
+`Gemma3ForConditionalGeneration` (4B and larger: a vision tower beside the text model) is
+served as its text model, for text prompts: its config is flattened by
+language_model_config.py, its language model's weights are read under their names in
+either layout, the vision tower's and the projector's left unread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ from minivllm.worker.layers.embedding import VocabParallelEmbedding
 from minivllm.worker.layers.fused import norm_add_norm
 from minivllm.worker.layers.norm import GemmaRMSNorm
 from minivllm.worker.layers.rotary import RotaryEmbedding
+from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import MLP, Attention, CausalLM, DecoderVariant
 
 _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults for Gemma 3
@@ -162,3 +169,40 @@ class Gemma3ForCausalLM(CausalLM):
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# the language model's weights in a multimodal checkpoint: as Google wrote them, as
+# transformers >= 4.52 names them in memory (and some checkpoints on disk)
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 checkpoint with a vision tower, for text prompts."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """As `CausalLM.load_weights`, the language model's weights renamed to the text
+        model's names; the vision tower's and the projector's are not read."""
+        super().load_weights(_language_model_weights(weights))
+
+
+def _language_model_weights(
+    weights: Iterable[tuple[str, Loaded]],
+) -> Iterator[tuple[str, Loaded]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = ours + name[len(prefix) :]
+                break
+        yield name, tensor

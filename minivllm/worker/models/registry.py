@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from minivllm.config import ModelConfig
-from minivllm.worker.models.gemma3 import Gemma3ForCausalLM
+from minivllm.worker.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
 from minivllm.worker.models.null_model import NullForCausalLM
 
@@ -16,6 +16,8 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, _GEMMA3),
+    # its text model, for text prompts (language_model_config.py flattens its config)
+    "Gemma3ForConditionalGeneration": (Gemma3ForConditionalGeneration, _GEMMA3),
     "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
