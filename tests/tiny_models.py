@@ -126,8 +126,9 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
     gemma3 (sliding, global, sliding layers; its own attention scale, local RoPE base,
     linear RoPE scaling on the global layer, logit soft-capping), gemma3-pattern (the same
     model family in the older config layout: `sliding_window_pattern`, `rope_theta` +
-    `rope_local_base_freq`, tied embeddings left to the default), and mistral-window (every
-    layer windowed, so the engine frees the blocks behind the window)."""
+    `rope_local_base_freq`, tied embeddings left to the default), mistral-window (every
+    layer windowed, so the engine frees the blocks behind the window), and qwen2-window
+    (`use_sliding_window` from `max_window_layers` on)."""
     gemma = dict(
         num_layers=3,
         sliding_window=8,
@@ -150,6 +151,15 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
         "mistral-window": build_checkpoint(
             os.path.join(root, "mistral-window"), "mistral", seed=6, sliding_window=8
         ),
+        "qwen2-window": build_checkpoint(  # layer 0 global, layer 1 windowed
+            os.path.join(root, "qwen2-window"),
+            "qwen2",
+            seed=7,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        ),  # fmt: skip
     }
     # as Gemma 3 checkpoints on the Hub write it: global layer every 2nd (layers 1 and 3)
     _rewrite_config(

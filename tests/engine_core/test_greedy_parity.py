@@ -87,7 +87,7 @@ _WINDOW_CASES = [
 
 
 @pytest.mark.parametrize("engine_kwargs", _WINDOW_CASES)
-@pytest.mark.parametrize("model", ["gemma3", "gemma3-pattern", "mistral-window"])
+@pytest.mark.parametrize("model", ["gemma3", "gemma3-pattern", "mistral-window", "qwen2-window"])
 def test_sliding_window_greedy_matches_transformers(
     window_models: dict[str, str], model: str, engine_kwargs: dict
 ) -> None:
@@ -99,8 +99,8 @@ def test_sliding_window_greedy_matches_transformers(
     assert got == [list(t) for t in _hf_expected(path)]
     if engine_kwargs.get("enable_prefix_caching", True):
         assert stats["prefix_cache_hits"] > 0
-    if "num_gpu_blocks_override" in engine_kwargs and model.startswith("gemma3"):
-        assert stats["num_preemptions"] >= 2  # every block of a sequence is kept
+    if "num_gpu_blocks_override" in engine_kwargs and model != "mistral-window":
+        assert stats["num_preemptions"] >= 2  # a global layer: every block of it is kept
 
 
 def test_windowed_contexts_outgrow_the_kv_cache(window_models: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ another, from the tensors and layers it is given (and the step's metadata).
 | `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
 | `silu_mul_linear` | the same row and projection: the GEMV computes silu(gate) * up in its prologue | `silu_and_mul`, then the projection |
 | `gelu_tanh_mul_linear` | the same, GELU-tanh(gate) * up in the GEMV's prologue (Gemma) | `gelu_tanh_and_mul`, then the projection |
-| `norm_add_norm` | always (Gemma's norms): the all-reduce under TP, then one kernel norms x, adds the residual and norms the sum (ops/gemma_norm.py) | - |
+| `norm_add_norm` | Triton runs (Gemma's norms): after the all-reduce under TP, one kernel norms x, adds the residual and norms the sum (ops/gemma_norm.py) | the all-reduce, then torch ops |
 | `all_reduce_add_rms_norm` | TP > 1 and the symmetric-memory all-reduce takes the rows (`TPGroup.all_reduce_add_rms_norm`) | the all-reduce, then `add_rms_norm` |
 | `qk_norm_rope_store_kv` | Triton runs and the backend stores with `store_kv_cache`, except on the step that computes the FP8 scales: the rotary kernel norms each head (Gemma's norm too), rotates and writes k and v into the cache | the rotary kernel (norm + rotation), then the backend's store |
 
