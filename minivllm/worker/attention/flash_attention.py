@@ -79,7 +79,7 @@ class FlashAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
         nd, n, num_tokens = meta.num_decodes, meta.num_seqs, meta.num_tokens
         out = torch.empty_like(q)
         out[num_tokens:] = 0  # padding rows, as the torch reference leaves them
@@ -92,7 +92,7 @@ class FlashAttentionBackend:
                 block_table=meta.block_table[:nd],
                 softmax_scale=scale,
                 causal=True,
-                window_size=window,
+                **window,
             )
             out[:nd] = decoded.squeeze(1)
         if n > nd:
@@ -110,7 +110,7 @@ class FlashAttentionBackend:
                 meta.max_seq_len,
                 softmax_scale=scale,
                 causal=True,
-                window_size=window,
                 block_table=meta.block_table[nd:n],
+                **window,
             )
         return out
