@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults
-from minivllm.language_model_config import language_model_config
+from minivllm import generation_defaults, rope_config
+from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
 from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
-_LOAD_FORMATS = ("auto", "dummy")
+_LOAD_FORMATS = ("auto", "dummy", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
@@ -22,9 +20,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantization methods the model loader implements (none yet): add a name here and its
+# quantization methods the model loader implements: add a name here and its
 # loading in worker/, and --quantization accepts it
-QUANTIZATION_METHODS: tuple[str, ...] = ()
+QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)  # a GGUF file's, dequantized at load
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
     "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
@@ -118,6 +116,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     max_model_len: int
     async_scheduling: bool
+    # LongRoPE (Phi-3's long variants): a sequence longer than this is rotated with the long
+    # factors, every token of it, so its KV differs from a shorter sequence's of the same
+    # tokens: its blocks hash apart, and a sequence that grows past it is computed again
+    # (rope_config.long_rope_threshold; None: no such switch)
+    long_rope_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,23 +155,6 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
-def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    eos: Any = None
-    if os.path.isfile(gen_path):
-        eos = _read_json(gen_path).get("eos_token_id")
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
@@ -249,7 +235,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a directory with config.json")
+            raise ValueError("model must name a directory with config.json or a GGUF file")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         for name, choices in ENGINE_ARG_CHOICES.items():
             if getattr(self, name) not in choices:
@@ -324,11 +310,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model: no config.json in {self.model!r}")
-        # a multimodal checkpoint whose language model is served alone: that model's config
-        hf_config = {**language_model_config(_read_json(config_path)), **self.hf_overrides}
+        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -337,12 +319,14 @@ class EngineArgs:
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
 
-        derived_max = int(hf_config.get("max_position_embeddings") or 2048)
+        derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
+            scaled = derived_max != rope_config.max_position_embeddings(hf_config)
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({derived_max})"
+                + ("context with its rope scaling" if scaled else "max_position_embeddings")
+                + f" ({derived_max})"
             )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -356,13 +340,19 @@ class EngineArgs:
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
+            load_format=resolve_load_format(self.model, self.load_format, self.quantization),
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
-            eos_token_ids=_eos_ids(self.model, hf_config),
+            eos_token_ids=eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
         )
-        _ = model_cfg.sliding_windows  # a layout no layer can serve fails here, not in a worker
+        # a layout no layer can serve fails here, not in a worker
+        _ = model_cfg.sliding_windows
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
+        )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(
@@ -388,6 +378,7 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
+                long_rope_threshold=rope_config.long_rope_threshold(hf_config, max_model_len),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None

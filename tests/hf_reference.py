@@ -17,6 +17,17 @@ def parity_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def longrope_prompts(original_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts about a LongRoPE checkpoint's original length (its switch to the long
+    factors): below it, growing past it while 12 tokens are generated, and past it from the
+    start. The long ones share prefixes with short ones, whose cached blocks (rotated with
+    the short factors) they must not reuse."""
+    rng = random.Random(seed)
+    base = [rng.randint(1, 300) for _ in range(original_len + 26)]
+    lengths = (12, 40, original_len - 8, original_len - 1, original_len, original_len + 1)
+    return [base[:n] for n in (*lengths, original_len + 16, len(base))] + [[7, *base[:70]]]
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
@@ -25,10 +36,9 @@ def _hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Token ids transformers' `generate` picks greedily, EOS ignored (as `ignore_eos` does:
-    the EOS id is still picked where it is the argmax; `min_new_tokens` would mask it)."""
+    """Token ids transformers' `generate` picks greedily, EOS ignored as `ignore_eos` does:
+    picked like any token and not an end (`min_new_tokens` would forbid it instead)."""
     model = _hf_model(path)
-    no_such_id = model.config.get_text_config().vocab_size
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -36,8 +46,8 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
                 torch.tensor([p]),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-                eos_token_id=no_such_id,
             )
             outs.append(out[0, len(p) :].tolist())
     return outs

@@ -53,6 +53,7 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
@@ -75,7 +76,8 @@ def build_checkpoint(
     **extra_config: object,
 ) -> str:
     """Save a random tiny model of `arch` (plus tokenizer and generation config) to out_dir;
-    `extra_config` goes into its config (e.g. Llama's attention_bias)."""
+    `extra_config` goes into its config (e.g. Llama's attention_bias, `rope_scaling`, Phi-3's
+    partial_rotary_factor). Phi-3 has no head_dim: hidden_size / num_heads."""
     import transformers
 
     config_cls_name, model_cls_name = _ARCHS[arch]
@@ -96,7 +98,7 @@ def build_checkpoint(
         bos_token_id=None,
         pad_token_id=0,
     )
-    if arch in ("qwen3", "llama", "mistral", "gemma3"):
+    if arch in ("qwen3", "llama", "mistral", "gemma3"):  # Phi-3: hidden_size / num_heads
         kwargs["head_dim"] = head_dim
     if arch == "mistral":
         kwargs["sliding_window"] = extra_config.pop("sliding_window", None)
@@ -121,13 +123,29 @@ def build_checkpoint(
     return out_dir
 
 
+LONGROPE_ORIGINAL_LEN = 64  # where the tiny LongRoPE checkpoint switches to its long factors
+
+
+def longrope_scaling(rotary_dim: int, seed: int) -> dict[str, object]:
+    """Phi-3's LongRoPE rope_scaling with random factors: short ones near 1, long ones far
+    from them, so that rotating with the wrong set changes the tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    n = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": (1 + 0.5 * torch.rand(n, generator=gen)).tolist(),
+        "long_factor": (1 + 7 * torch.rand(n, generator=gen)).tolist(),
+    }
+
+
 def build_window_checkpoints(root: str) -> dict[str, str]:
     """Tiny checkpoints with sliding windows of 8 tokens, shorter than most test prompts:
     gemma3 (sliding, global, sliding layers; its own attention scale, local RoPE base,
     linear RoPE scaling on the global layer, logit soft-capping), gemma3-pattern (the same
     model family in the older config layout: `sliding_window_pattern`, `rope_theta` +
     `rope_local_base_freq`, tied embeddings left to the default), mistral-window (every
-    layer windowed, so the engine frees the blocks behind the window), and qwen2-window
+    layer windowed, so the engine frees the blocks behind the window), phi3-window (the
+    same, with Phi-3's fused checkpoint and partial rotary) and qwen2-window
     (`use_sliding_window` from `max_window_layers` on)."""
     gemma = dict(
         num_layers=3,
@@ -151,6 +169,14 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
         "mistral-window": build_checkpoint(
             os.path.join(root, "mistral-window"), "mistral", seed=6, sliding_window=8
         ),
+        "phi3-window": build_checkpoint(
+            os.path.join(root, "phi3-window"),
+            "phi3",
+            seed=8,
+            hidden_size=96,
+            partial_rotary_factor=0.75,
+            sliding_window=8,
+        ),  # fmt: skip
         "qwen2-window": build_checkpoint(  # layer 0 global, layer 1 windowed
             os.path.join(root, "qwen2-window"),
             "qwen2",

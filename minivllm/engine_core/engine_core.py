@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -48,6 +49,14 @@ def _executor_class(config: EngineConfig) -> type[Executor]:
     return MultiprocExecutor if backend == "mp" else UniProcExecutor
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step: its rank-0 output once `sample_tokens` has been called for it."""
+
+    scheduler_output: SchedulerOutput
+    result: Future[ModelRunnerOutput] | None = None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
@@ -59,7 +68,7 @@ class EngineCore:
             config.scheduler, config.cache, self.num_blocks, config.model.kv_sliding_window
         )
         # steps launched but not yet applied: at most one in flight with async scheduling
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.batch_queue: deque[_InFlight] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.trace = StepTrace()
         model = config.model
@@ -84,14 +93,13 @@ class EngineCore:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
             check_request(request, self.config.model)
-            self.scheduler.check_prompt(request.request_id, len(request.prompt_token_ids))
+            self.scheduler.check_admission(request.request_id, len(request.prompt_token_ids))
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             structured = request.sampling_params.structured_outputs
             if structured is not None:
-                # the grammar's end: EOS (even with ignore_eos, which then generates on) or
-                # a stop token id
-                stops = {*request.eos_token_ids, *(request.sampling_params.stop_token_ids or ())}
-                self.structured.add_request(req, structured.spec(), sorted(stops))
+                # the grammar ends at a stop token (with ignore_eos, EOS ends the grammar
+                # and the request generates on, unconstrained)
+                self.structured.add_request(req, structured.spec(), sorted(req.stop_token_ids))
             self.scheduler.add_request(req)
         except ValueError as e:
             logger.warning("request %s rejected: %s", request.request_id, e)
@@ -122,10 +130,11 @@ class EngineCore:
         """Schedule, run and apply one step. With async scheduling, the step launched now is
         applied on a later call, after the next one has been launched behind it.
 
-        A step with structured-output requests gets its token bitmask as soon as the
+        A step runs as the executor's two calls, `execute_model` then `sample_tokens`. A step
+        with structured-output requests is sampled with its token bitmask as soon as the
         matchers have taken every earlier step's tokens: at once when no earlier step is in
         flight, else right after that step is applied. The workers run its forward meanwhile
-        and wait for the bitmask only to sample."""
+        and wait for the bitmask only to sample. Any other step is sampled at once."""
         if self.structured.waiting:
             self._poll_grammars()
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.max_in_flight:
@@ -133,30 +142,35 @@ class EngineCore:
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 if self.trace.enabled:
                     self.trace.launched(so, len(self.structured.waiting))
-                self.batch_queue.append((so, self.executor.execute_model(so)))
-                if so.structured_output_req_ids and len(self.batch_queue) == 1:
-                    self._send_bitmask(so)
+                self.executor.execute_model(so)
+                self.batch_queue.append(_InFlight(so))
+                if not so.structured_output_req_ids or len(self.batch_queue) == 1:
+                    self._sample(self.batch_queue[-1])
                 if len(self.batch_queue) < self.max_in_flight:
                     return self._package({})
             elif not self.batch_queue and self.structured.waiting:
                 self.structured.wait(timeout=0.005)  # idle but for grammars: no spinning
         if not self.batch_queue:
             return self._package({})
-        so, future = self.batch_queue.popleft()
-        outputs = self.scheduler.update_from_output(so, future.result())
+        done = self.batch_queue.popleft()
+        outputs = self.scheduler.update_from_output(done.scheduler_output, done.result.result())
         if self.trace.enabled:
             self.trace.applied(len(self.trace.records) - 1 - len(self.batch_queue))
-        if self.batch_queue and self.batch_queue[0][0].structured_output_req_ids:
-            self._send_bitmask(self.batch_queue[0][0])
+        if self.batch_queue and self.batch_queue[0].result is None:
+            self._sample(self.batch_queue[0])  # its bitmask can be filled now
         return self._package(outputs)
 
-    def _send_bitmask(self, so: SchedulerOutput) -> None:
-        requests = self.scheduler.requests
-        bitmask = self.structured.fill_bitmask(
-            [requests.get(r) for r in so.structured_output_req_ids]
-        )
-        self.executor.send_grammar_bitmask(GrammarBitmask(so.step_id, bitmask))
-        if self.trace.enabled:
+    def _sample(self, step: _InFlight) -> None:
+        """The step's second call, with its grammar bitmask if it has structured outputs."""
+        so, bitmask = step.scheduler_output, None
+        if so.structured_output_req_ids:
+            requests = self.scheduler.requests
+            mask = self.structured.fill_bitmask(
+                [requests.get(r) for r in so.structured_output_req_ids]
+            )
+            bitmask = GrammarBitmask(so.step_id, mask)
+        step.result = self.executor.sample_tokens(bitmask)
+        if bitmask is not None and self.trace.enabled:
             self.trace.bitmask_sent()
 
     def _poll_grammars(self) -> None:

@@ -1,4 +1,11 @@
-"""Executors start the workers, send them each step and return rank 0's answer."""
+"""Executors start the workers, send them each step and return rank 0's answer.
+
+A step is vLLM's two calls: `execute_model(scheduler_output)` launches it on every rank,
+`sample_tokens(grammar_bitmask)` has it sampled and returns rank 0's answer. One step at a
+time is launched and not yet sampled; the next `execute_model` comes after its
+`sample_tokens`. A step without structured outputs costs the workers no second message:
+they sample it as soon as its forward is launched.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +25,14 @@ class Executor(ABC):
         self.config = config
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start one step; the future resolves to rank 0's output (or raises). A step with
-        `structured_output_req_ids` samples once `send_grammar_bitmask` has given its mask."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch one step on every rank."""
 
     @abstractmethod
-    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
-        """The token bitmask of a step already started, which waits for it to sample."""
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> Future[ModelRunnerOutput]:
+        """Sample the launched step; the future resolves to rank 0's output (or raises).
+        `grammar_bitmask`: the step's token masks if it has `structured_output_req_ids`,
+        else None."""
 
     def check_health(self) -> None:
         """Raise if a worker is dead."""
@@ -46,27 +54,16 @@ class UniProcExecutor(Executor):
         self.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(self.num_blocks)
 
-        # a step waiting for its grammar bitmask (it runs when the bitmask comes)
-        self._waiting: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.execute_model(scheduler_output)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> Future[ModelRunnerOutput]:
         future: Future[ModelRunnerOutput] = Future()
-        if scheduler_output.structured_output_req_ids:
-            self._waiting = (scheduler_output, future)
-        else:
-            self._run(future, scheduler_output)
-        return future
-
-    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
-        (so, future), self._waiting = self._waiting, None
-        assert so.step_id == bitmask.step_id, "a bitmask for another step"
-        self._run(future, so, bitmask)
-
-    def _run(self, future: Future, so: SchedulerOutput, bitmask: GrammarBitmask | None = None):
         try:
-            future.set_result(self.worker.execute_model(so, lambda: bitmask))
+            future.set_result(self.worker.sample_tokens(grammar_bitmask).get())
         except Exception as e:
             future.set_exception(e)
+        return future
 
     def shutdown(self) -> None:
         self.worker.shutdown()

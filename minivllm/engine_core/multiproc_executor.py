@@ -82,6 +82,7 @@ class MultiprocExecutor(Executor):
         self.procs = []
         self.death_pipes = []
         self._outputs: dict[int, ModelRunnerOutput] = {}
+        self._unsampled_step: int | None = None  # launched by execute_model, not yet sampled
         self._dead: str | None = None
         self.execute_timeout = config.parallel.execute_timeout
         self.num_results = 0  # the first step (compiling, capturing) has no time limit
@@ -189,12 +190,17 @@ class MultiprocExecutor(Executor):
                     if time.monotonic() > deadline:
                         self.fail_hung_step(None, f"did not take {type(msg).__name__}", rank)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._broadcast(scheduler_output)
-        return StepFuture(self, scheduler_output.step_id)
+        self._unsampled_step = scheduler_output.step_id
 
-    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
-        self._broadcast(bitmask)  # copied into ZMQ: the core may refill its buffer at once
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepFuture:
+        step_id, self._unsampled_step = self._unsampled_step, None
+        assert step_id is not None, "sample_tokens without a step"
+        if grammar_bitmask is not None:  # else the workers sample the step without waiting
+            assert grammar_bitmask.step_id == step_id, "a bitmask for another step"
+            self._broadcast(grammar_bitmask)  # copied into ZMQ: the core may refill its buffer
+        return StepFuture(self, step_id)
 
     def _poll_output(self, step_id: int, timeout_ms: int) -> ModelRunnerOutput | None:
         if step_id in self._outputs:

@@ -69,11 +69,18 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids: set[int] = (
-            set() if sampling_params.ignore_eos else set(eos_token_ids or ())
-        )
-        # either ends it (after min_tokens); a stop token id is also its stop reason
-        self.stop_ids = self.eos_token_ids | set(sampling_params.stop_token_ids or ())
+        eos = frozenset(eos_token_ids or ())
+        stops = frozenset(sampling_params.stop_token_ids or ())
+        # The tokens that end the text, computed here only: EOS and the stop token ids. A
+        # structured output's grammar ends at one of them, and min_tokens masks them all
+        # until it is reached (EOS too, whatever ignore_eos says, as in vLLM).
+        self.stop_token_ids: frozenset[int] = eos | stops
+        # Those that end the request (after min_tokens), and its stop reason: a stop token
+        # id is its own, EOS has none; ignore_eos keeps EOS from ending it (unless it is
+        # also a stop token id).
+        self.stop_reasons: dict[int, int | None] = {token_id: token_id for token_id in stops}
+        if not sampling_params.ignore_eos:
+            self.stop_reasons.update(dict.fromkeys(eos))
         self.max_num_tokens = 0  # tokens (prompt + output) at which it ends by length: set on add
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
@@ -85,6 +92,9 @@ class Request:
             sample_seed = sampling_params.seed
         self.sample_seed = sample_seed if sample_seed is not None else derive_seed(0, request_id)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
+        # rotated with LongRoPE's long factors (SchedulerConfig.long_rope_threshold): set when
+        # it is scheduled from the waiting queue; its blocks hash apart
+        self.long_rope = False
         # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
         self.structured_output = None
         self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output

@@ -5,6 +5,12 @@ compute, and a step hands out at most `max_num_batched_tokens` of them (a long p
 split across steps: chunked prefill). When KV blocks run out, the newest running request is
 preempted (its KV freed, to be recomputed later) and goes back to the front of the queue.
 
+LongRoPE (`long_rope_threshold`): a sequence longer than the threshold is rotated with the
+long factors, every token of it, as transformers does. Whether a request is long is settled
+each time it is scheduled from the waiting queue, by its length then (the workers decide the
+same way, from the tokens they are sent); one that grows past the threshold while it runs is
+preempted, to be computed again, long, as transformers recomputes it.
+
 Async scheduling: `schedule()` for step N+1 may run before `update_from_output()` for step
 N (at most one step in flight). A request's tokens are counted as
 `num_tokens + num_output_placeholders`, the placeholders being tokens that scheduled steps
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -35,6 +42,30 @@ from minivllm.protocol.messages import (
 )
 
 ClientOutputs = dict[int, list[EngineCoreOutput]]
+
+
+@dataclass(slots=True)
+class _NextStep:
+    """The step `Scheduler.schedule` is filling."""
+
+    budget: int  # tokens left to hand out
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    structured: list[str] = field(default_factory=list)  # sample under a grammar
+    preempted: bool = False
+
+    def take(self, request: Request, num_new: int) -> None:
+        """Schedule `num_new` more tokens of `request`; one whose known tokens all have KV
+        after this step samples its next token in it."""
+        self.num_scheduled[request.request_id] = num_new
+        self.budget -= num_new
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens >= len(request.all_token_ids):
+            request.num_output_placeholders += 1
+            grammar = request.structured_output
+            if grammar is not None and grammar.active:
+                self.structured.append(request.request_id)
 
 
 class Scheduler:
@@ -75,9 +106,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def check_prompt(self, request_id: str, n: int) -> None:
-        """`ValueError` if a prompt of `n` tokens can never be scheduled; cheap enough to
-        call before anything is allocated for the request."""
+    def check_admission(self, request_id: str, n: int) -> None:
+        """`ValueError` if a request with a prompt of `n` tokens can never be scheduled, or
+        its id is in use. `EngineCore.add_request` calls it once, before anything is
+        allocated for the request; `add_request` trusts it."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if n == 0:
             raise ValueError(f"request {request_id}: the prompt is empty")
         if n > self.config.max_model_len:
@@ -94,10 +128,8 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; `ValueError` if its prompt can never be scheduled."""
-        self.check_prompt(request.request_id, request.num_prompt_tokens)
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue a request that passed `check_admission`."""
+        assert request.request_id not in self.requests, "check_admission first"
         request.status = RequestStatus.WAITING
         max_tokens = request.sampling_params.max_tokens
         request.max_num_tokens = (
@@ -150,103 +182,23 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached_reqs = CachedRequestData()
-        cached_ids = cached_reqs.req_ids
-        cached_block_ids = cached_reqs.new_block_ids
-        cached_computed = cached_reqs.num_computed_tokens
-        new_reqs: list[NewRequestData] = []
-        structured: list[str] = []  # requests that sample this step under a grammar
-        preempted = False
-
-        running = self.running
-        max_len = self.max_len
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            num_computed = request.num_computed_tokens
-            num_pending = len(request.all_token_ids) + request.num_output_placeholders
-            if request.num_output_placeholders and num_pending >= request.max_num_tokens:
-                i += 1  # the token in flight ends it by length: nothing more to compute
-                continue
-            num_new = min(num_pending - num_computed, budget, max_len - num_computed)
-            if num_new <= 0:
-                i += 1
-                continue
-            while (new_block_ids := kv.allocate_slots(request, num_new)) is None:
-                victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            if new_block_ids is None:
-                break
-            request_id = request.request_id
-            cached_ids.append(request_id)
-            cached_block_ids.append(new_block_ids)
-            cached_computed.append(num_computed)
-            num_scheduled[request_id] = num_new
-            budget -= num_new
-            request.num_computed_tokens = num_computed + num_new
-            if num_computed + num_new >= len(request.all_token_ids):
-                request.num_output_placeholders += 1  # this step samples its next token
-                if request.structured_output is not None and request.structured_output.active:
-                    structured.append(request_id)
-            i += 1
-
+        """The next step: running requests first, then waiting ones, in one token budget."""
+        step = _NextStep(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
         # a step that had to preempt has no room to spare for newcomers
-        compiling: list[Request] = []  # waiting for their grammar: the others go first
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if request.num_output_placeholders:
-                break  # preempted with a token in flight: resume once it has arrived
-            if request.structured_output is not None and request.structured_output.matcher is None:
-                compiling.append(self.waiting.popleft())
-                continue
-            if _needs_prompt_logprobs(request):
-                hit_blocks, num_hit = [], 0
-            else:
-                hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                break
-            self.waiting.popleft()
-            running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.record_event(EngineCoreEventType.SCHEDULED)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            new_reqs.append(self._new_request_data(request))
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens >= request.num_tokens:
-                request.num_output_placeholders += 1
-                if request.structured_output is not None and request.structured_output.active:
-                    structured.append(request.request_id)
-        self.waiting.extendleft(reversed(compiling))
-
+        if not step.preempted:
+            self._schedule_waiting(step)
+        running = self.running
         output = SchedulerOutput(
             step_id=self.step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=sorted(self.preempted_req_ids),
-            structured_output_req_ids=structured,
-            num_common_prefix_blocks=kv.get_num_common_prefix_blocks(
+            structured_output_req_ids=step.structured,
+            num_common_prefix_blocks=self.kv_cache_manager.get_num_common_prefix_blocks(
                 running[0].request_id, len(running)
             )
             if running
@@ -256,6 +208,77 @@ class Scheduler:
         self.preempted_req_ids = set()
         self.step_id += 1
         return output
+
+    def _schedule_running(self, step: _NextStep) -> None:
+        """Each running request's next tokens (a decode's one, a long prompt's next chunk),
+        preempting the newest running requests while blocks run out."""
+        kv, running, max_len = self.kv_cache_manager, self.running, self.max_len
+        cached = step.cached_reqs
+        cached_ids, cached_blocks, cached_computed = (
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+        )  # fmt: skip
+        take = step.take
+        i = 0
+        while i < len(running) and step.budget > 0:
+            request = running[i]
+            i += 1
+            num_computed = request.num_computed_tokens
+            num_pending = len(request.all_token_ids) + request.num_output_placeholders
+            if request.num_output_placeholders and num_pending >= request.max_num_tokens:
+                continue  # the token in flight ends it by length: nothing more to compute
+            num_new = min(num_pending - num_computed, step.budget, max_len - num_computed)
+            if num_new <= 0:
+                continue
+            if self._outgrows_short_rope(request, num_computed + num_new):
+                i -= 1
+                self._preempt(running.pop(i))
+                continue
+            while (new_block_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                step.preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            cached_ids.append(request.request_id)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(num_computed)
+            take(request, num_new)
+
+    def _schedule_waiting(self, step: _NextStep) -> None:
+        """Waiting requests in order, while the budget, the sequence count and the blocks
+        allow; the prefix cache serves what it holds of each prompt."""
+        kv, waiting = self.kv_cache_manager, self.waiting
+        compiling: list[Request] = []  # waiting for their grammar: the others go first
+        while waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it has arrived
+            if request.structured_output is not None and request.structured_output.matcher is None:
+                compiling.append(waiting.popleft())
+                continue
+            self._settle_long_rope(request)
+            if _needs_prompt_logprobs(request):
+                hit_blocks, num_hit = [], 0
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > step.budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, step.budget)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                break
+            waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            step.new_reqs.append(self._new_request_data(request))
+            step.take(request, num_new)
+        waiting.extendleft(reversed(compiling))
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -322,18 +345,28 @@ class Scheduler:
         """Set the status of a request that its last token ends; True if it ended."""
         last = request.output_token_ids[-1]
         if (
-            last in request.stop_ids
+            last in request.stop_reasons
             and len(request.output_token_ids) >= request.sampling_params.min_tokens
         ):
             request.status = RequestStatus.FINISHED_STOPPED
-            if last not in request.eos_token_ids:
-                request.stop_reason = last  # a stop token id (EOS has no stop reason)
+            request.stop_reason = request.stop_reasons[last]
             return True
         # max_num_tokens: max_len, or the prompt plus max_tokens if that is less
         if len(request.all_token_ids) >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def _outgrows_short_rope(self, request: Request, num_tokens: int) -> bool:
+        threshold = self.config.long_rope_threshold
+        return threshold is not None and not request.long_rope and num_tokens > threshold
+
+    def _settle_long_rope(self, request: Request) -> None:
+        """Mark a request about to be scheduled from the waiting queue long if it is longer
+        than the LongRoPE threshold (its block hashes start again, from the long root)."""
+        if self._outgrows_short_rope(request, request.num_tokens):
+            request.long_rope = True
+            request.block_hashes = []
 
     def _preempt(self, request: Request) -> None:
         if not request.num_output_placeholders:  # else its last prompt chunk is in flight
@@ -370,6 +403,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             sample_seed=request.sample_seed,
+            min_tokens_stop_ids=sorted(request.stop_token_ids) if params.min_tokens else [],
         )
 
     def _make_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:

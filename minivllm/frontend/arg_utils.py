@@ -16,8 +16,9 @@ from minivllm.config import ENGINE_ARG_CHOICES, QUANTIZATION_METHODS, EngineArgs
 _ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"], "quantization": ["-q"]}
 
 HELP = {
-    "model": "the model: a directory in HF format (config.json, *.safetensors, tokenizer files)",
-    "tokenizer": "directory of the tokenizer files (default: the model's)",
+    "model": "the model: a directory in HF format (config.json, *.safetensors, tokenizer "
+    "files) or a GGUF file",
+    "tokenizer": "directory of the tokenizer files, or a GGUF file (default: the model's)",
     "dtype": "weights and activations: auto is the checkpoint's dtype on a GPU and float32 "
     "on the CPU; half = float16, float = float32",
     "seed": "base seed of sampling and of dummy weights",
@@ -42,7 +43,8 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
-    "load_format": "auto: the checkpoint's safetensors; dummy: random weights of its shape",
+    "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
+    "GGUF file's tensors, dequantized at load; dummy: random weights of its shape",
     "device": "auto: CUDA when there is a GPU, else the CPU",
     "skip_tokenizer_init": "no tokenizer: prompts must be token ids, outputs carry no text",
     "async_scheduling": "schedule the next step while the current one runs",

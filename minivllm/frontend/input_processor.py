@@ -82,12 +82,6 @@ class InputProcessor:
             min_tokens=min_tokens,
             structured_outputs=_wire_structured_outputs(params.structured_outputs),
             _bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            # what min_tokens masks: EOS (even with ignore_eos) and the stop token ids
-            _all_stop_token_ids=(
-                sorted({*self.eos_token_ids, *(params.stop_token_ids or ())})
-                if min_tokens
-                else None
-            ),
         )
         request = EngineCoreRequest(
             request_id=self.make_internal_id(request_id),

@@ -22,6 +22,7 @@ import numpy as np
 from minivllm.protocol.limits import (
     MAX_TOKENIZER_FILES,
     AbortIds,
+    AllStopTokenIds,
     EosTokenIds,
     ModelConfigBytes,
     PromptTokenIds,
@@ -31,7 +32,7 @@ from minivllm.protocol.limits import (
 )
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class FinishReason(enum.IntEnum):
@@ -247,6 +248,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hits)
     sample_seed: int = 0  # base seed of this request's generator (derived if the user gave none)
+    # with min_tokens: the ids it masks until then (the request's stop token ids, EOS
+    # included whatever ignore_eos says); empty without min_tokens
+    min_tokens_stop_ids: AllStopTokenIds = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -277,10 +281,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The allowed next tokens of one step's structured-output requests, sent to every rank
-    once the matchers have taken the tokens of every earlier step: with async scheduling that
-    is after the step itself, so the workers run its forward and wait for this only to sample.
-    """
+    """The allowed next tokens of one step's structured-output requests: the step's second
+    call (`sample_tokens`), sent to every rank once the matchers have taken the tokens of
+    every earlier step. The workers run the step's forward meanwhile and wait for this only
+    to sample; a step without structured outputs is sampled without it."""
 
     step_id: int
     # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit

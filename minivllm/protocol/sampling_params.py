@@ -16,7 +16,6 @@ from minivllm.protocol.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     AllowedTokenIds,
-    AllStopTokenIds,
     BadWords,
     BadWordsTokenIds,
     LogitBias,
@@ -64,10 +63,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     bad_words: BadWords | None = None  # never completed, with or without a leading space
     # what the text must be: a JSON schema, a regex, a choice or a grammar
     structured_outputs: StructuredOutputsParams | None = None
-    # filled in by the frontend: the token ids of bad_words, and every id min_tokens masks
-    # (EOS even with ignore_eos, and stop_token_ids)
+    # filled in by the frontend: the token ids of bad_words
     _bad_words_token_ids: BadWordsTokenIds | None = None
-    _all_stop_token_ids: AllStopTokenIds | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -174,10 +171,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
         return self._bad_words_token_ids
-
-    @property
-    def all_stop_token_ids(self) -> list[int]:
-        return self._all_stop_token_ids or []
 
     def _validate_sizes(self) -> None:
         """The bounds a receiver enforces on decode (limits.py), as errors for the user."""

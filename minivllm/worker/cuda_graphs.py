@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.step_buffers import DeviceViews
 
 logger = logging.getLogger(__name__)
 
@@ -47,28 +47,6 @@ PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # token counts of the prefil
 def prefill_capture_sizes(max_num_batched_tokens: int) -> list[int]:
     """The prefill graphs' token counts that a step may schedule."""
     return [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens]
-
-
-def step_metadata(
-    d: object, num_tokens: int, num_seqs: int, num_decodes: int, block_size: int, max_len: int,
-    cascade: bool = False,
-) -> AttentionMetadata:  # fmt: skip
-    """The metadata of a captured forward over the static device views `d` (StepBuffers.dev):
-    every length is read on the device, only the shapes are fixed."""
-    return AttentionMetadata(
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        num_decodes=num_decodes,
-        max_query_len=1 if num_decodes else num_tokens,
-        max_seq_len=max_len,
-        query_start_loc=d.query_start_loc[: num_seqs + 1],
-        seq_lens=d.seq_lens[:num_seqs],
-        block_table=d.block_table[:num_seqs],
-        slot_mapping=d.slot_mapping[:num_tokens],
-        block_size=block_size,
-        decode_order=d.decode_order[:num_decodes] if num_decodes else None,
-        cascade_prefix_len=d.cascade_prefix_len if cascade else None,
-    )
 
 
 class StepGraphs:
@@ -138,7 +116,11 @@ class RunnerGraphs:
         self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
 
     def capture(
-        self, forward: Callable[..., torch.Tensor], d: object, max_num_seqs: int, max_tokens: int
+        self,
+        forward: Callable[..., torch.Tensor],
+        d: DeviceViews,
+        max_num_seqs: int,
+        max_tokens: int,
     ) -> None:
         """Capture every graph over the device views `d`, which hold what padding holds at
         replay: no KV slot, no context, no query tokens."""

@@ -48,6 +48,8 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
     if variant.sandwich_norms:
         layer.update({"pre_feedforward_layernorm.weight": (h,)})
         layer.update({"post_feedforward_layernorm.weight": (h,)})
+    if variant.fused_checkpoint:
+        layer = _fused(layer)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(config.num_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
@@ -55,6 +57,30 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
     if not variant.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
+
+
+# Phi-3's checkpoints: q/k/v rows stacked in one qkv_proj tensor, gate/up in one gate_up_proj
+_FUSED_IN_CHECKPOINT = {
+    "self_attn.q_proj": "self_attn.qkv_proj",
+    "self_attn.k_proj": "self_attn.qkv_proj",
+    "self_attn.v_proj": "self_attn.qkv_proj",
+    "mlp.gate_proj": "mlp.gate_up_proj",
+    "mlp.up_proj": "mlp.gate_up_proj",
+}
+
+
+def _fused(layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in layer.items():
+        module, suffix = name.rsplit(".", 1)
+        fused = _FUSED_IN_CHECKPOINT.get(module)
+        if fused is None:
+            out[name] = shape
+            continue
+        key = f"{fused}.{suffix}"
+        rows = out[key][0] if key in out else 0
+        out[key] = (rows + shape[0], *shape[1:])
+    return out
 
 
 def dummy_weights(

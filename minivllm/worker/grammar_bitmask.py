@@ -1,15 +1,15 @@
 """The worker's side of structured outputs: a step's grammar bitmask, staged to the device.
 
-The engine-core sends a step's `GrammarBitmask` after its `SchedulerOutput`; the runner
-launches the step's forward and LM head first, then waits for the bitmask (`Sampler` calls
-the step's `GrammarWait`), copies its rows through a pinned buffer and has the sampler
-apply them before any other logits processing. Steps without structured outputs never get
-here.
+A step with structured outputs is two messages: its `SchedulerOutput`, whose forward and LM
+head `ModelRunner.execute_model` launches, then its `GrammarBitmask`, which the engine-core
+fills meanwhile and `ModelRunner.sample_tokens` gets: it checks the bitmask against the
+step, copies its rows through a pinned buffer (`GrammarBitmasks.stage_step`) and has the
+sampler apply them before any other logits processing. Steps without structured outputs
+never get here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +24,6 @@ class GrammarMask:
 
     bitmask: torch.Tensor  # int32 [K, W]
     rows: torch.Tensor  # int64 [K]: indices into the step's sampling rows
-
-
-GrammarWait = Callable[[], GrammarMask]  # waits for the step's bitmask, then stages it
 
 
 class GrammarBitmasks:
@@ -48,33 +45,25 @@ class GrammarBitmasks:
             self._dev_mask = torch.empty(max_rows, self.num_words, dtype=torch.int32, device=device)
             self._dev_rows = torch.empty(max_rows, dtype=torch.int64, device=device)
 
-    def waiter(
-        self,
-        receive: Callable[[], GrammarBitmask],
-        step_id: int,
-        req_ids: list[str],
-        sample_rows: dict[str, int],
-    ) -> GrammarWait:
-        """What the sampler calls to get the step's mask: `receive` the message, check it
-        belongs to `step_id` with one row per request of `req_ids`, stage it."""
-
-        def wait() -> GrammarMask:
-            msg = receive()
-            bitmask = msg.bitmask
-            expected = (len(req_ids), self.num_words)
-            if msg.step_id != step_id or bitmask.shape != expected or bitmask.dtype != np.int32:
-                raise RuntimeError(
-                    f"grammar bitmask of step {msg.step_id}, {bitmask.dtype} {bitmask.shape}, "
-                    f"for step {step_id} with {len(req_ids)} constrained rows of "
-                    f"{self.num_words} int32 words"
-                )
-            try:
-                rows = [sample_rows[r] for r in req_ids]
-            except KeyError as e:
-                raise RuntimeError(f"request {e} has a grammar bitmask but does not sample") from e
-            return self.stage(bitmask, np.array(rows, dtype=np.int64))
-
-        return wait
+    def stage_step(
+        self, msg: GrammarBitmask, step_id: int, req_ids: list[str], sample_rows: dict[str, int]
+    ) -> GrammarMask:
+        """Stage the bitmask of step `step_id`, one row per request of `req_ids` (its
+        structured-output requests), for their sampling rows (`sample_rows`, by request id);
+        RuntimeError if `msg` does not fit that step."""
+        bitmask = msg.bitmask
+        expected = (len(req_ids), self.num_words)
+        if msg.step_id != step_id or bitmask.shape != expected or bitmask.dtype != np.int32:
+            raise RuntimeError(
+                f"grammar bitmask of step {msg.step_id}, {bitmask.dtype} {bitmask.shape}, "
+                f"for step {step_id} with {len(req_ids)} constrained rows of "
+                f"{self.num_words} int32 words"
+            )
+        try:
+            rows = [sample_rows[r] for r in req_ids]
+        except KeyError as e:
+            raise RuntimeError(f"request {e} has a grammar bitmask but does not sample") from e
+        return self.stage(bitmask, np.array(rows, dtype=np.int64))
 
     def stage(self, bitmask: np.ndarray, rows: np.ndarray) -> GrammarMask:
         """Copy `bitmask` [K, W] and its sampling `rows` [K] to the device, without waiting

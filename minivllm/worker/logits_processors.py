@@ -28,6 +28,7 @@ import torch
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.ops.penalties import apply_penalties
+from minivllm.worker.step_buffers import DeviceViews, HostViews
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -123,12 +124,20 @@ class LogitsProcessors:
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
 
-    def add(self, row: int, params: SamplingParams, token_ids: list[int], num_prompt: int) -> None:
-        """A request takes `row`; token_ids are its prompt and any output so far."""
+    def add(
+        self,
+        row: int,
+        params: SamplingParams,
+        token_ids: list[int],
+        num_prompt: int,
+        min_tokens_stop_ids: list[int],
+    ) -> None:
+        """A request takes `row`; token_ids are its prompt and any output so far,
+        `min_tokens_stop_ids` what its min_tokens masks."""
         self.remove(row)
-        if params.min_tokens and params.all_stop_token_ids:
+        if params.min_tokens and min_tokens_stop_ids:
             self.min_tokens[row] = params.min_tokens
-            self.stop_ids[row] = np.array(params.all_stop_token_ids, dtype=np.int64)
+            self.stop_ids[row] = np.array(min_tokens_stop_ids, dtype=np.int64)
         if params.bad_words_token_ids:
             self.bad_words[row] = params.bad_words_token_ids
         if params.logit_bias:
@@ -176,8 +185,8 @@ class LogitsProcessors:
         rows: np.ndarray,
         num_tokens: np.ndarray,
         batch: InputBatch,
-        host,  # noqa: ANN001 - StepBuffers host views
-        dev,  # noqa: ANN001 - StepBuffers device views
+        host: HostViews,
+        dev: DeviceViews,
     ) -> StepProcessing | None:
         """The processing of the step whose sampling rows are the batch `rows` (their
         requests' lengths before this sample in `num_tokens`); None when no row uses any.

@@ -12,6 +12,7 @@ from minivllm.config import ModelConfig
 from minivllm.worker.attention.backend import AttentionBackend
 from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.dummy_weights import dummy_weights
+from minivllm.worker.gguf_loader import iter_gguf_weights
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import CausalLM
 from minivllm.worker.models.registry import resolve_architecture
@@ -27,7 +28,8 @@ def load_model(
 
     load_format "auto" reads the HF safetensors checkpoint (one file or sharded with an
     index), each rank reading only its slices; "dummy" loads random weights of the real
-    geometry the same way (see dummy_weights.py), deterministic from model_config.seed.
+    geometry the same way (see dummy_weights.py), deterministic from model_config.seed;
+    "gguf" dequantizes the tensors of a GGUF file (see gguf_loader.py).
     """
     model_cls, variant = resolve_architecture(model_config)
     dtype = getattr(torch, model_config.dtype)
@@ -40,6 +42,8 @@ def load_model(
                 model.load_weights(dummy_weights(model_config, variant, device, dtype))
         elif model_config.load_format == "auto":
             model.load_weights(iter_safetensors(model_config.model))
+        elif model_config.load_format == "gguf":
+            model.load_weights(iter_gguf_weights(model_config.model, model_config.hf_config))
         else:
             raise ValueError(f"unknown load_format {model_config.load_format!r}")
     return model.eval()

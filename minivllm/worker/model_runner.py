@@ -1,18 +1,22 @@
-"""Runs one `SchedulerOutput` through the model and samples the next tokens.
+"""Runs a step in vLLM's two calls: `execute_model(scheduler_output)` launches its forward,
+`sample_tokens(grammar_bitmask)` samples it.
 
-One step: apply the scheduler's diffs to the persistent `InputBatch`; write the step's inputs
-into the pinned `StepBuffers` with numpy and copy them to the device in one go; fill the input
-ids of tokens still in flight from the previous step's sampled ids on the device; run the
-model (a CUDA graph replay for a pure-decode step); sample on the device; start a
-non_blocking copy of the sampled ids back. Nothing on this path waits for the GPU, so with
-async scheduling the host prepares step N+1 while the GPU runs step N.
+`execute_model` applies the scheduler's diffs to the persistent `InputBatch`; builds the
+step's `StepInputs` (step_inputs.py: written into the pinned `StepBuffers` with numpy and
+copied to the device in one go; the input ids of tokens still in flight from the previous
+step are gathered on the device); runs the model (a CUDA graph replay, or eagerly) and the
+LM head over the rows that sample. `sample_tokens` applies the step's grammar bitmask, if it
+has structured outputs, samples on the device and starts a non_blocking copy of the sampled
+ids back. Nothing on this path waits for the GPU, so with async scheduling the host prepares
+step N+1 while the GPU runs step N; and the engine-core fills a step's grammar bitmask while
+the GPU runs its forward. A step without structured outputs needs no bitmask: the worker
+makes both calls at once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,16 +25,26 @@ from minivllm.config import EngineConfig
 from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.attention.cascade import use_cascade
-from minivllm.worker.attention.metadata import AttentionMetadata, one_prompt_metadata
-from minivllm.worker.cuda_graphs import RunnerGraphs, StepGraphs, step_metadata
-from minivllm.worker.grammar_bitmask import GrammarBitmasks
+from minivllm.worker.cuda_graphs import RunnerGraphs
+from minivllm.worker.grammar_bitmask import GrammarBitmasks, GrammarMask
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
 from minivllm.worker.logits_processors import LogitsProcessors
 from minivllm.worker.ops.kv_cache import cache_dtype
 from minivllm.worker.prompt_logprobs import compute_prompt_logprobs
-from minivllm.worker.sampler import Sampler, SamplingMetadata
+from minivllm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
+from minivllm.worker.step_inputs import (
+    ExecutedStep,
+    ForwardPlan,
+    SamplingInputs,
+    ScheduledBatch,
+    StepInputs,
+    order_requests,
+    write_in_flight,
+    write_logits_rows,
+    write_token_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +73,16 @@ class ModelRunner:
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
-        self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
+        self.long_rope_threshold = config.scheduler.long_rope_threshold
+        self.batch = InputBatch(
+            max_seqs, max_len, self.max_blocks_per_req, self.long_rope_threshold
+        )
         self.buffers = StepBuffers(
-            max_seqs, config.scheduler.max_num_batched_tokens, self.max_blocks_per_req, device
+            max_seqs,
+            config.scheduler.max_num_batched_tokens,
+            self.max_blocks_per_req,
+            self.block_size,
+            device,
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -86,10 +107,11 @@ class ModelRunner:
         self.graphs = RunnerGraphs(max_seqs, self.cascade, self.attn_backend_name == "triton")
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False
-        self.sampler = Sampler(tp.size, config.model.logprobs_mode)
+        self.sampler = Sampler(config.model.logprobs_mode)
         self.processors = LogitsProcessors(max_seqs, config.model.vocab_size, device)
         self.grammar_bitmasks: GrammarBitmasks | None = None  # with the first structured step
-        # launched steps whose sampled ids have not been applied to the host token ids yet
+        self._executed: ExecutedStep | None = None  # launched, not sampled yet
+        # sampled steps whose sampled ids have not been applied to the host token ids yet
         self._pending: deque[tuple[AsyncModelRunnerOutput, list[RequestState]]] = deque()
 
     def load_model(self) -> None:
@@ -128,15 +150,13 @@ class ModelRunner:
         rows, to measure peak activations."""
         sched = self.config.scheduler
         n = max(1, min(sched.max_num_batched_tokens, self.config.model.max_model_len))
-        dev = self.device
-        caches = self.kv_shape.allocate(-(-n // self.block_size), dev)
-        meta = one_prompt_metadata(n, self.block_size, dev)
-        ids = torch.zeros(n, dtype=torch.long, device=dev)
-        pos = torch.arange(n, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, caches, meta)
+        caches = self.kv_shape.allocate(-(-n // self.block_size), self.device)
+        meta = self.buffers.one_prompt(np.zeros(n, dtype=np.int64))
+        d = self.buffers.dev
+        hidden = self.model(d.input_ids[:n], d.positions[:n], caches, meta)
         rows = min(n, sched.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:])
-        self.sampler.sample_logits(logits, SamplingMetadata.from_buffers(self.buffers, rows))
+        self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -176,60 +196,116 @@ class ModelRunner:
     def _static_forward(
         self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
     ) -> torch.Tensor:
-        """The forward of a step of this shape over the static device buffers."""
-        d, max_len = self.buffers.dev, self.config.model.max_model_len
-        meta = step_metadata(
-            d, num_tokens, num_seqs, num_decodes, self.block_size, max_len, cascade
+        """The forward of a step of this shape over the static device buffers, as a graph
+        captures it: every length is read on the device, only the shapes are fixed."""
+        meta = self.buffers.attention_metadata(
+            num_tokens,
+            num_seqs,
+            num_decodes,
+            max_query_len=1 if num_decodes else num_tokens,
+            max_seq_len=self.config.model.max_model_len,
+            with_host_copies=False,
+            cascade=cascade,
         )
+        d = self.buffers.dev
         return self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], self.kv_caches, meta)
 
     @torch.inference_mode()
-    def execute_model_async(
-        self, so: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None
-    ) -> AsyncModelRunnerOutput:
-        """Launch one step; its output's `get()` waits for the sampled ids. A step with
-        structured outputs calls `bitmask` for its grammar bitmask (which may wait for it)
-        once its forward is launched."""
+    def execute_model(self, so: SchedulerOutput) -> None:
+        """Launch one step: its forward and the LM head over the rows that sample. The step
+        waits for `sample_tokens`, which must come before the next one."""
+        if self._executed is not None:
+            raise RuntimeError(
+                f"step {so.step_id} came before step {self._executed.step_id} was sampled"
+            )
         self._update_states(so)
+        step = ExecutedStep(so.step_id, [], so.structured_output_req_ids)
+        self._executed = step
         if so.total_num_scheduled_tokens == 0:
-            return AsyncModelRunnerOutput(so.step_id, [], [], None)
+            return
         self._apply_older_outputs()
-        states, sample_idx, meta, replay, sampling = self._prepare_inputs(so)
-        d = self.buffers.dev
-        if replay is not None:
-            graphs, size = replay
-            hidden = graphs.replay(size)
-        else:
-            n = meta.num_tokens
-            hidden = self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, meta)
-        req_ids = [s.req_id for s in states]
-        prompt_logprobs = None
+        step.inputs = inputs = self._prepare_inputs(so)
+        step.req_ids = [s.req_id for s in inputs.requests]
+        hidden = self._forward(inputs)
         if self.batch.num_prompt_logprobs:
-            prompt_logprobs = compute_prompt_logprobs(
-                self.model, hidden, states, meta.query_start_loc_cpu, self.batch, self.config
+            step.prompt_logprobs = compute_prompt_logprobs(
+                self.model, hidden, inputs.requests, inputs.attn.query_start_loc_cpu,
+                self.batch, self.config,
+            )  # fmt: skip
+        if inputs.sampling is not None:
+            # a new tensor: a graph's output is overwritten by its next replay
+            step.hidden = hidden.index_select(0, inputs.sampling.logits_indices)
+            if not self._draws_on_lm_head(step):
+                # queued now, ahead of the wait for a grammar bitmask
+                step.logits = self.model.compute_logits(step.hidden)
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, grammar_bitmask: GrammarBitmask | None = None
+    ) -> AsyncModelRunnerOutput:
+        """Sample the step `execute_model` launched; `grammar_bitmask` is that step's, if it
+        has structured outputs. The output's `get()` waits for the sampled ids."""
+        step, self._executed = self._executed, None
+        if step is None:
+            raise RuntimeError("sample_tokens without a step: execute_model launches one")
+        sampling, sampled_states = step.sampling, step.sampling_requests
+        grammar = self._stage_grammar(step, grammar_bitmask, sampled_states)
+        if sampling is None:
+            return AsyncModelRunnerOutput(
+                step.step_id, step.req_ids, [], None, step.prompt_logprobs
             )
-        if not sample_idx:
-            return AsyncModelRunnerOutput(so.step_id, req_ids, [], None, prompt_logprobs)
-        ns = len(sample_idx)
-        sampled_states = [states[i] for i in sample_idx]
-        rows = hidden.index_select(0, d.logits_indices[:ns])
-        grammar = None
-        if so.structured_output_req_ids:
-            if self.grammar_bitmasks is None:
-                self.grammar_bitmasks = GrammarBitmasks(
-                    self.config.scheduler.max_num_seqs, self.config.model.vocab_size, self.device
-                )
-            sample_rows = {s.req_id: j for j, s in enumerate(sampled_states)}
-            grammar = self.grammar_bitmasks.waiter(
-                bitmask, so.step_id, so.structured_output_req_ids, sample_rows
+        if step.logits is None:
+            m = sampling.metadata
+            result = SamplerOutput(
+                self.model.lm_head.draw(step.hidden, m.temperature, m.seeds, m.positions)
             )
-        result = self.sampler(self.model, rows, sampling, grammar)
-        out = AsyncModelRunnerOutput(so.step_id, req_ids, sample_idx, result, prompt_logprobs)
+        else:
+            result = self.sampler(step.logits, sampling.metadata, grammar)
+        out = AsyncModelRunnerOutput(
+            step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs
+        )
         for j, s in enumerate(sampled_states):
             s.num_tokens += 1
             s.last_sample = (out, j)
         self._pending.append((out, sampled_states))
         return out
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states of the step's tokens (padding rows included)."""
+        plan = inputs.plan
+        if plan.graphs is not None:
+            return plan.graphs.replay(plan.num_tokens)
+        d, n = self.buffers.dev, inputs.attn.num_tokens
+        return self.model(d.input_ids[:n], d.positions[:n], self.kv_caches, inputs.attn)
+
+    def _draws_on_lm_head(self, step: ExecutedStep) -> bool:
+        """Whether each rank draws on its slice of the vocabulary (tensor parallelism, and no
+        row needs more of its logits than the best token: no gather, no sampler)."""
+        return (
+            self.tp.size > 1
+            and not step.structured_req_ids
+            and not step.sampling.metadata.needs_whole_rows
+        )
+
+    def _stage_grammar(
+        self, step: ExecutedStep, msg: GrammarBitmask | None, sampled: list[RequestState]
+    ) -> GrammarMask | None:
+        """The step's grammar bitmask on the device (None without structured outputs)."""
+        if (msg is None) != (not step.structured_req_ids):
+            raise RuntimeError(
+                f"step {step.step_id} has {len(step.structured_req_ids)} structured-output "
+                f"requests; sample_tokens got {'no' if msg is None else 'a'} grammar bitmask"
+            )
+        if msg is None:
+            return None
+        if self.grammar_bitmasks is None:
+            self.grammar_bitmasks = GrammarBitmasks(
+                self.config.scheduler.max_num_seqs, self.config.model.vocab_size, self.device
+            )
+        sample_rows = {s.req_id: j for j, s in enumerate(sampled)}
+        return self.grammar_bitmasks.stage_step(
+            msg, step.step_id, step.structured_req_ids, sample_rows
+        )
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
@@ -238,7 +314,10 @@ class ModelRunner:
                 self.processors.remove(state.row)
         for new in so.scheduled_new_reqs:
             row = self.batch.add(new).row
-            self.processors.add(row, new.sampling_params, new.token_ids, new.num_prompt_tokens)
+            self.processors.add(
+                row, new.sampling_params, new.token_ids, new.num_prompt_tokens,
+                new.min_tokens_stop_ids,
+            )  # fmt: skip
         self.batch.update(so.scheduled_cached_reqs)
 
     def _apply_older_outputs(self) -> None:
@@ -252,113 +331,54 @@ class ModelRunner:
                 if self.batch.requests.get(s.req_id) is s:
                     self.batch.append_host_token(s, tok)
 
-    def _prepare_inputs(
-        self, so: SchedulerOutput
-    ) -> tuple[
-        list[RequestState], list[int], AttentionMetadata, tuple[StepGraphs, int] | None,
-        SamplingMetadata,
-    ]:  # fmt: skip
-        """Fill and copy the step buffers. Returns the scheduled requests (single-token ones
-        first), the indices of those that sample, the attention metadata, the CUDA graphs
-        and size to replay (None: run eagerly) and the sampling rows' metadata."""
-        reqs = self.batch.requests
-        decodes, others, other_lens = [], [], []
-        for req_id, q in so.num_scheduled_tokens.items():
-            if q == 1:
-                decodes.append(reqs[req_id])
-            else:
-                others.append(reqs[req_id])
-                other_lens.append(q)
-        states = decodes + others
-        n, nd = len(states), len(decodes)
-        q_lens = np.ones(n, dtype=np.int64)
-        q_lens[nd:] = other_lens
-        rows = np.fromiter((s.row for s in states), np.int64, n)
-        computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
-        num_tokens = np.fromiter((s.num_tokens for s in states), np.int64, n)
-        num_host = np.fromiter((s.num_host_tokens for s in states), np.int64, n)
-        seq_lens = computed + q_lens
-        total = int(so.total_num_scheduled_tokens)
-        cascade = self._cascade_prefix_len(so, computed[:nd], mixed=nd < n)
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """The step's inputs, in the step buffers on the device (phases: step_inputs.py)."""
+        sched = order_requests(so, self.batch)
+        plan = self._plan_forward(so, sched)
+        h = self.buffers.next_host()
+        write_token_inputs(h, sched, plan, self.batch, self.block_size, self.buffers.on_cuda)
+        sampling = self._prepare_sampling(sched)
+        latest = self._pending[-1][0] if self._pending else None
+        num_in_flight = write_in_flight(h, sched, latest)
+        self.buffers.copy_to_device(plan.num_seqs)
+        if num_in_flight:
+            d = self.buffers.dev
+            prev = latest.sampled.index_select(0, d.gather_src[:num_in_flight])
+            d.input_ids.index_copy_(0, d.gather_dst[:num_in_flight], prev)
+        attn = self.buffers.attention_metadata(
+            sched.total,
+            sched.num_seqs,
+            sched.num_decodes,
+            max_query_len=int(sched.query_lens.max()),
+            max_seq_len=int(sched.seq_lens.max()),
+            cascade=bool(plan.cascade_prefix_len),
+        )
+        attn.compute_kv_scales = plan.compute_kv_scales
+        return StepInputs(sched.requests, attn, plan, sampling)
+
+    def _plan_forward(self, so: SchedulerOutput, sched: ScheduledBatch) -> ForwardPlan:
+        """A CUDA graph replay and its padded sizes, or an eager forward."""
+        n, nd = sched.num_seqs, sched.num_decodes
+        cascade = self._cascade_prefix_len(so, sched.computed[:nd], mixed=nd < n)
         # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
         compute_kv_scales = self._calculate_kv_scales and nd < n
-        graphs, pad_tokens, pad_seqs = None, total, n
-        if self.use_graphs and not compute_kv_scales:
-            graphs, pad_tokens, pad_seqs = self.graphs.pick(n, nd, total, bool(cascade))
-
-        h = self.buffers.next_host()
-        bs, b = self.block_size, self.batch
-        cu = h.query_start_loc[: n + 1]
-        cu[0] = 0
-        np.cumsum(q_lens, out=cu[1:])
-        if nd == n:
-            tok_rows, positions = rows, computed
-        else:
-            tok_rows = np.repeat(rows, q_lens)
-            starts = np.repeat(computed - cu[:-1], q_lens)
-            positions = starts + np.arange(total)
-        h.positions[:total] = positions
-        h.input_ids[:total] = b.token_ids[tok_rows, positions]
-        h.slot_mapping[:total] = b.block_table[tok_rows, positions // bs] * bs + positions % bs
-        h.seq_lens[:n] = seq_lens
-        h.cascade_prefix_len[0] = cascade
-        if graphs is not None:  # padding tokens store no KV; padding rows have no context
-            h.input_ids[total:pad_tokens] = 0
-            h.positions[total:pad_tokens] = 0
-            h.slot_mapping[total:pad_tokens] = -1
-            h.seq_lens[n:pad_seqs] = 0
-            h.query_start_loc[n + 1 : pad_seqs + 1] = total
-        if self.buffers.on_cuda and nd:
-            # the attention kernels start the longest contexts first (padding rows last)
-            h.decode_order[:nd] = np.argsort(-seq_lens[:nd], kind="stable")
-            h.decode_order[nd:pad_seqs] = np.arange(nd, pad_seqs)
-        width = -(-int(seq_lens.max()) // bs)
-        h.block_table[:n, :width] = b.block_table[rows, :width]
-
-        # a request samples once this step has computed every token it has
-        sample_idx = np.flatnonzero(seq_lens >= num_tokens)
-        ns = len(sample_idx)
-        h.logits_indices[:ns] = cu[1:][sample_idx] - 1
-        sampling = SamplingMetadata.prepare(
-            b, self.processors, self.buffers, rows[sample_idx], seq_lens[sample_idx]
-        )
-
-        # the last input token of a decoding request may be the newest step's sample, which
-        # only the device has yet: gather it there instead of waiting for it
-        in_flight = np.flatnonzero(seq_lens > num_host)
-        latest = self._pending[-1][0] if self._pending else None
-        for g, i in enumerate(in_flight.tolist()):
-            out, j = states[i].last_sample
-            assert out is latest, "an in-flight token of an older step was not applied"
-            h.gather_src[g] = j
-        h.gather_dst[: len(in_flight)] = cu[1:][in_flight] - 1
-
-        self.buffers.copy_to_device(pad_seqs)
-        d = self.buffers.dev
-        if len(in_flight):
-            g = len(in_flight)
-            prev = latest.sampled.index_select(0, d.gather_src[:g])
-            d.input_ids.index_copy_(0, d.gather_dst[:g], prev)
-        meta = AttentionMetadata(
-            num_tokens=total,
-            num_seqs=n,
-            num_decodes=nd,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=d.query_start_loc[: n + 1],
-            seq_lens=d.seq_lens[:n],
-            block_table=d.block_table[:n],
-            slot_mapping=d.slot_mapping[:total],
-            block_size=bs,
-            query_start_loc_cpu=torch.from_numpy(cu),
-            seq_lens_cpu=torch.from_numpy(h.seq_lens[:n]),
-            decode_order=d.decode_order[:nd] if self.buffers.on_cuda and nd else None,
-            cascade_prefix_len=d.cascade_prefix_len if cascade else None,
-        )
         if compute_kv_scales:
-            meta.compute_kv_scales, self._calculate_kv_scales = True, False
-        replay = (graphs, pad_tokens) if graphs is not None else None
-        return states, sample_idx.tolist(), meta, replay, sampling
+            self._calculate_kv_scales = False
+        graphs, num_tokens, num_seqs = None, sched.total, n
+        if self.use_graphs and not compute_kv_scales:
+            graphs, num_tokens, num_seqs = self.graphs.pick(n, nd, sched.total, bool(cascade))
+        return ForwardPlan(graphs, num_tokens, num_seqs, cascade, compute_kv_scales)
+
+    def _prepare_sampling(self, sched: ScheduledBatch) -> SamplingInputs | None:
+        """The logits rows and sampling parameters of the requests that sample."""
+        req_idx = write_logits_rows(self.buffers.host, sched)
+        if not len(req_idx):
+            return None
+        metadata = SamplingMetadata.prepare(
+            self.batch, self.processors, self.buffers, sched.rows[req_idx], sched.seq_lens[req_idx]
+        )
+        logits_indices = self.buffers.dev.logits_indices[: len(req_idx)]
+        return SamplingInputs(req_idx.tolist(), logits_indices, metadata)
 
     def _cascade_prefix_len(
         self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False

@@ -1,7 +1,7 @@
-"""The sampler: the one way from a step's final hidden states to its sampled tokens.
+"""The sampler: the one way from a step's logits to its sampled tokens.
 
-`Sampler.__call__` takes the hidden states of the rows that sample and their
-`SamplingMetadata`, and works in vLLM's order:
+`Sampler.__call__` takes the full-vocabulary logits of the rows that sample, their
+`SamplingMetadata` and the step's grammar mask, if it has one, and works in vLLM's order:
 
 1. the raw logits are kept for raw logprobs (the default `logprobs_mode`);
 2. logits processing: a structured-output grammar's token bitmask on the rows it
@@ -13,11 +13,10 @@
 4. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
    and the top-k, from the raw logits, or from what the draw saw (processed modes).
 
-Tensor parallelism is handled here and nowhere else: every rank's LM head holds a slice of
-the vocabulary. When no row filters, each rank draws from its own slice and the ranks
-exchange two numbers per row (`sample_shard`: the noise is keyed by the global token index,
-so the best of the ranks' bests is the token a draw over the whole row picks); otherwise
-the logits are gathered and every rank samples the whole row.
+With tensor parallelism every rank gets the gathered logits and samples the whole row. A
+step that needs no more of a row than its best token (no filter, processing, grammar or
+logprobs: `SamplingMetadata.needs_whole_rows`) skips the gather and the sampler: the LM head
+draws on each rank's slice of the vocabulary (`ParallelLMHead.draw`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.worker.grammar_bitmask import GrammarWait
+from minivllm.worker.grammar_bitmask import GrammarMask
 from minivllm.worker.input_batch import NO_LOGPROBS, InputBatch
 from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, to_device
 from minivllm.worker.ops.bitmask import apply_token_bitmask
 from minivllm.worker.ops.logprobs import gather_logprobs
-from minivllm.worker.ops.sampling import filtered_scores, sample, sample_shard
+from minivllm.worker.ops.sampling import filtered_scores, sample
 from minivllm.worker.step_buffers import StepBuffers
 
 LogprobsTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, logprobs, ranks
@@ -149,30 +148,16 @@ class SamplingMetadata:
 
 
 class Sampler:
-    def __init__(self, tp_size: int, logprobs_mode: str = "raw_logprobs") -> None:
-        self.tp_size = tp_size
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
         self.logprobs_mode = logprobs_mode
 
     def __call__(
-        self,
-        model: torch.nn.Module,
-        hidden: torch.Tensor,
-        meta: SamplingMetadata,
-        grammar: GrammarWait | None = None,
+        self, logits: torch.Tensor, meta: SamplingMetadata, grammar: GrammarMask | None = None
     ) -> SamplerOutput:
-        """The sampled ids (and logprobs) on the device for the final hidden states [N, H].
-        `grammar`, for a step with structured outputs, waits for its bitmask: it is called
-        once the LM head is queued on the device."""
-        if self.tp_size > 1 and not meta.needs_whole_rows and grammar is None:
-            return SamplerOutput(self._sample_vocab_parallel(model.lm_head, hidden, meta))
-        logits = model.compute_logits(hidden)
+        """The sampled ids (and logprobs) on the device for the logits [N, V] of the sampling
+        rows; `grammar`'s bitmask is applied to its rows in place first."""
         if grammar is not None:
-            mask = grammar()
-            apply_token_bitmask(logits, mask.bitmask, mask.rows)
-        return self.sample_logits(logits, meta)
-
-    def sample_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """The same for the full-vocabulary logits [N, V]."""
+            apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
         processed = logits if meta.processing is None else meta.processing.apply(logits)
         top_k, top_p, min_p = meta.filters()
         sampled = sample(
@@ -199,24 +184,3 @@ class Sampler:
         if rows is not None:
             scores, sampled = scores.index_select(0, rows), sampled.index_select(0, rows)
         return gather_logprobs(scores, meta.logprobs.num, sampled, mode.endswith("logprobs"))
-
-    @staticmethod
-    def _sample_vocab_parallel(
-        lm_head: torch.nn.Module, hidden: torch.Tensor, meta: SamplingMetadata
-    ) -> torch.Tensor:
-        """Each rank draws from its slice of the vocabulary without gathering the logits
-        (39 MB per rank at 256 rows of a 151,936-token vocabulary, bf16)."""
-        local = torch.nn.functional.linear(hidden, lm_head.weight)
-        val, idx = sample_shard(
-            local,
-            meta.temperature,
-            meta.seeds,
-            meta.positions,
-            lm_head.vocab_start,
-            lm_head.vocab_end,
-        )
-        # indices travel as float32 beside the scores (exact below 2^24; vocabularies are smaller)
-        assert lm_head.vocab_size < 2**24
-        both = lm_head.tp.gather(torch.stack([val, idx.float()])[None], dim=0)  # [tp, 2, N]
-        winner = both[:, 0].argmax(0, keepdim=True)  # the first rank on ties: the lowest index
-        return both[:, 1].gather(0, winner).squeeze(0).long()

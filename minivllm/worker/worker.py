@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
-
-BitmaskSource = Callable[[], GrammarBitmask]  # the step's grammar bitmask (may wait for it)
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +54,16 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, bitmask: BitmaskSource | None = None
-    ) -> ModelRunnerOutput | None:
-        """Run one step and wait for it (the in-process executor). `bitmask` gives the
-        step's grammar bitmask, if it has structured outputs."""
-        output = self.model_runner.execute_model_async(scheduler_output, bitmask).get()
-        return output if self.rank == 0 else None
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch one step's forward; `sample_tokens` samples it."""
+        self.model_runner.execute_model(scheduler_output)
 
-    def execute_model_async(
-        self, scheduler_output: SchedulerOutput, bitmask: BitmaskSource | None = None
+    def sample_tokens(
+        self, grammar_bitmask: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput | None:
-        """Launch one step; rank 0 gets a handle whose `get()` waits for its output."""
-        output = self.model_runner.execute_model_async(scheduler_output, bitmask)
+        """Sample the launched step (`grammar_bitmask`: its own, if it has structured
+        outputs); rank 0 gets a handle whose `get()` waits for its output."""
+        output = self.model_runner.sample_tokens(grammar_bitmask)
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:

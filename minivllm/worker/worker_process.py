@@ -5,6 +5,9 @@ port the OS picked when it bound, and the engine-core relays it to the other ran
 the model; report how many KV blocks fit; wait for the agreed number; allocate; report ready.
 Steps are launched on the main thread and answered from a sender thread, which waits for
 each step's sampled ids, so the main thread is already launching the next step meanwhile.
+A step is two calls, `execute_model` and `sample_tokens`: a step with structured outputs
+samples when its `GrammarBitmask` comes (the next message, which the engine-core fills while
+the forward runs); any other step samples at once.
 Any exception is sent back as an error and ends the process: a TP peer that keeps running
 would block forever in its next collective, so the engine-core tears all ranks down.
 """
@@ -89,22 +92,16 @@ def serve(
 
     send = outbox.put
 
+    def send_output(out: AsyncModelRunnerOutput | None) -> None:
+        if out is not None:  # rank 0 answers
+            send(out)
+
     def recv():
         while True:
             frames = transport.recv_msg(steps)
             msg = transport.decode_or_drop(decoder, frames, "its step socket", f"worker {rank} ")
             if msg is not None:
                 return msg
-
-    def recv_bitmask() -> GrammarBitmask:
-        """A step with structured outputs: the core sends its bitmask next, before any other
-        step (it may send a shutdown instead, if it stops meanwhile)."""
-        msg = recv()
-        if isinstance(msg, ShutdownWorker):
-            raise _Shutdown
-        if not isinstance(msg, GrammarBitmask):
-            raise RuntimeError(f"expected a grammar bitmask, got {type(msg).__name__}")
-        return msg
 
     step_id = -1
     try:
@@ -125,17 +122,17 @@ def serve(
                 profiler.step()
                 # launch and move on: the sender thread waits for the output, so the next
                 # step is received and queued on the GPU behind this one
-                out = worker.execute_model_async(msg, recv_bitmask)
-                if out is not None:
-                    send(out)
+                worker.execute_model(msg)
+                if not msg.structured_output_req_ids:
+                    send_output(worker.sample_tokens())
+            elif isinstance(msg, GrammarBitmask):
+                send_output(worker.sample_tokens(msg))
             elif isinstance(msg, InitKVCache):
                 worker.initialize_kv_cache(msg.num_blocks)
                 freeze_startup_heap()
                 send(WorkerReady(rank, os.getpid()))
             elif isinstance(msg, ShutdownWorker):
                 break
-    except _Shutdown:
-        pass
     except Exception:
         send(ModelRunnerOutput(step_id=step_id, error=_log_failure(rank)))
         outbox.put(None)
@@ -147,10 +144,6 @@ def serve(
     steps.close(linger=0)
     results.context.term()
     ctx.term()
-
-
-class _Shutdown(Exception):
-    """The engine-core asked this worker to stop while a step waited for its bitmask."""
 
 
 def _send_loop(rank: int, results: zmq.Socket, outbox: queue.Queue) -> None:

@@ -21,7 +21,7 @@ from minivllm.worker.worker import Worker
 HANG_AT = int(os.environ.get("HANG_AT", "-1"))
 SLOW_FIRST_S = float(os.environ.get("SLOW_FIRST_S", "0"))
 _steps = itertools.count()
-_execute = Worker.execute_model_async
+_execute = Worker.execute_model
 
 
 def hanging(self, *args, **kwargs):
@@ -33,7 +33,7 @@ def hanging(self, *args, **kwargs):
     return _execute(self, *args, **kwargs)
 
 
-Worker.execute_model_async = hanging
+Worker.execute_model = hanging
 
 
 async def stream(llm, i: int) -> str:

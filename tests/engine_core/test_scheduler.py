@@ -289,12 +289,13 @@ def test_max_model_len_ends_generation_and_bounds_prompts():
     results = run_sync(sched, runner)
     assert results.tokens["a"] == [7, 7] and results.final["a"][0] == FinishReason.LENGTH
     with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(make_request("long", [1] * 9))
+        sched.check_admission("long", 9)
     small = make_scheduler(num_blocks=2, max_model_len=64)
     with pytest.raises(ValueError, match="needs 3 KV blocks but the cache has only 2"):
-        small.add_request(make_request("big", [1] * 9))
+        small.check_admission("big", 9)
     with pytest.raises(ValueError, match="empty"):
-        small.add_request(make_request("empty", []))
+        small.check_admission("empty", 0)
+    small.check_admission("fits", 8)
 
 
 def test_a_lone_request_never_outgrows_the_cache():
@@ -318,7 +319,7 @@ def test_under_a_sliding_window_requests_outgrow_the_cache(run: Callable) -> Non
     # a window the cache cannot hold with a step's tokens bounds sequences by the cache
     wide = make_scheduler(num_blocks=4, budget=8, max_model_len=64, sliding_window=9)
     with pytest.raises(ValueError, match="needs 5 KV blocks but the cache has only 4"):
-        wide.add_request(make_request("big", [1] * 17))
+        wide.check_admission("big", 17)
 
 
 def test_abort_mid_prefill_and_while_waiting_returns_every_block():
@@ -424,9 +425,10 @@ def test_reset_prefix_cache_waits_for_idle_blocks():
 
 def test_duplicate_request_ids_are_refused():
     sched = make_scheduler()
+    sched.check_admission("a", 1)
     sched.add_request(make_request("a", [1]))
     with pytest.raises(ValueError, match="already in use"):
-        sched.add_request(make_request("a", [1]))
+        sched.check_admission("a", 1)
 
 
 def test_sample_seed_is_the_user_seed_or_distinct_per_request():
@@ -438,7 +440,7 @@ def test_sample_seed_is_the_user_seed_or_distinct_per_request():
 def test_request_from_engine_core_request():
     wire = EngineCoreRequest("r1", [1, 2], SamplingParams(ignore_eos=True), [EOS], 5.0, 7)
     request = Request.from_engine_core_request(wire, engine_seed=3)
-    assert request.client_id == 7 and request.eos_token_ids == set()
+    assert request.client_id == 7
     assert request.num_cached_tokens == -1 and request.status == RequestStatus.WAITING
     other = Request.from_engine_core_request(wire, engine_seed=4)
     assert request.sample_seed != other.sample_seed

@@ -174,6 +174,28 @@ def test_a_compiling_grammar_does_not_hold_back_the_batch(qwen3_dir, tokenizer, 
     assert tokenizer.decode(rest["slow"]["tokens"], skip_special_tokens=True).isdigit()
 
 
+def test_a_reused_id_is_refused_and_leaves_the_first_request_alone(qwen3_dir, tokenizer):
+    """Refused before anything is made for it: the first request's grammar stays its own."""
+    core = make_core(qwen3_dir)
+    outs = []
+    try:
+        core.add_request(request("a", [5, 9], constraints()["choice"], seed=1))
+        core.add_request(request("a", [5, 9], constraints()["regex"], seed=2))
+        for _ in range(1000):
+            if not core.has_work():
+                break
+            for outputs in core.step().values():
+                outs += outputs.outputs
+    finally:
+        core.shutdown()
+    errors = [o.error for o in outs if o.finish_reason == FinishReason.ERROR]
+    assert len(errors) == 1 and "request id 'a' is already in use" in errors[0]
+    first = [o for o in outs if o.finish_reason != FinishReason.ERROR]
+    assert first[-1].finish_reason == FinishReason.STOP
+    tokens = [t for o in first for t in o.new_token_ids]
+    check_text("choice", tokenizer.decode(tokens, skip_special_tokens=True))
+
+
 def test_unconstrained_steps_carry_no_bitmask(qwen3_dir, monkeypatch) -> None:
     from minivllm.worker import sampler
 
@@ -183,14 +205,21 @@ def test_unconstrained_steps_carry_no_bitmask(qwen3_dir, monkeypatch) -> None:
     monkeypatch.setattr(sampler, "apply_token_bitmask", refuse)
     core = make_core(qwen3_dir)
     sent = []
-    monkeypatch.setattr(core.executor, "send_grammar_bitmask", sent.append)
+    sample_tokens = core.executor.sample_tokens
+
+    def record(bitmask):  # noqa: ANN001, ANN202
+        sent.append(bitmask)
+        return sample_tokens(bitmask)
+
+    monkeypatch.setattr(core.executor, "sample_tokens", record)
     try:
         core.add_request(request("free", [5, 9], None, max_tokens=8, ignore_eos=True))
         results = run(core)
     finally:
         core.shutdown()
     assert len(results["free"]["tokens"]) == 8
-    assert not sent and core.executor.worker.model_runner.grammar_bitmasks is None
+    assert sent and all(bitmask is None for bitmask in sent)
+    assert core.executor.worker.model_runner.grammar_bitmasks is None
 
 
 def test_grammars_are_cached_by_their_spec_within_a_byte_budget(qwen3_dir, monkeypatch) -> None:

@@ -61,7 +61,7 @@ def test_version_through_python_m() -> None:
     [
         (["--uvicorn-log-level", "bogus"], "argument --uvicorn-log-level: invalid choice: 'bogus'"),
         (["--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice: 'fp16'"),
-        (["-q", "fp8"], "argument --quantization/-q: 'fp8' is not supported (supported: none"),
+        (["-q", "fp8"], "argument --quantization/-q: 'fp8' is not supported (supported: "),
         (["-tp", "two"], "argument --tensor-parallel-size/-tp: invalid int value: 'two'"),
     ],
 )

@@ -67,6 +67,7 @@ def _new_req(i: int, token_ids: list[int]) -> NewRequestData:
         block_ids=list(range(i, i + len(token_ids) // 16 + 1)),
         num_computed_tokens=16,
         sample_seed=1234 + i,
+        min_tokens_stop_ids=[0, 2] if i % 2 else [],
     )
 
 
@@ -92,7 +93,6 @@ def sample_messages() -> list[msgspec.Struct]:
         allowed_token_ids=[3, 4, 99],
         bad_words=["a b", "c"],
         _bad_words_token_ids=[[1, 2], [3]],
-        _all_stop_token_ids=[0, 2],
         min_tokens=2,
     )
     return [

@@ -48,21 +48,25 @@ def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
 
 
 def check_qk_norm_rope_offset(device: str, dtype: torch.dtype) -> None:
-    """The rotary kernel's Gemma norm (with and without the KV store) equals the torch path."""
-    from minivllm.worker.attention.metadata import one_prompt_metadata
+    """The rotary kernel's Gemma norm (with the KV store) equals the torch path, over whole
+    heads and with partial rotary (the pass-through dims normed too)."""
+    for rot in (64, 48):
+        _check_qk_norm_rope_offset(device, dtype, rot)
 
+
+def _check_qk_norm_rope_offset(device: str, dtype: torch.dtype, rot: int) -> None:
     gen = torch.Generator().manual_seed(1)
     t, hq, hk, d = 6, 4, 2, 64
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(device, dtype)
     q, k, v = (x.unflatten(-1, (-1, d)) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
     q_w = (0.3 * torch.randn(d, generator=gen)).to(device, dtype)
     k_w = (0.3 * torch.randn(d, generator=gen)).to(device, dtype)
-    cos_sin = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    cos_sin = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, device)
     positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
     q_ref, k_ref = q.clone(), k.clone()
     rotary.qk_norm_rope_torch(q_ref, k_ref, q_w, k_w, cos_sin, positions, 1e-6, True, True)
     cache = torch.zeros(2, 1, 8, hk, d, dtype=dtype, device=device)
-    slots = one_prompt_metadata(t, 8, torch.device(device)).slot_mapping
+    slots = torch.arange(t, device=device)  # block 0, one slot per token
     rotary.qk_norm_rope(
         q, k, q_w, k_w, cos_sin, positions, 1e-6, True, v, cache, slots, None, norm_offset=True
     )
@@ -185,7 +189,8 @@ def test_gemma_kernels_compile_for_hopper() -> None:
     rope_sig |= {"kv_scale_ptr": "*fp32", "n_slots": i32}
     rope_sig |= dict.fromkeys(("stride_v_tok", "stride_v_head", "stride_c_kv"), i32)
     rope_sig |= dict.fromkeys(("stride_c_blk", "stride_c_pos", "stride_c_head"), i32)
-    consts = dict(BLOCK_HQ=8, BLOCK_HK=4, HALF=128, APPLY_NORM=True, STORE_KV=True, PAGE=16)
+    consts = dict(BLOCK_HQ=8, BLOCK_HK=4, HALF=128, BLOCK_R=128, PASS=0, BLOCK_P=1)
+    consts |= dict(APPLY_NORM=True, STORE_KV=True, PAGE=16)
     compile_for_hopper(rotary._qk_norm_rope_kernel, rope_sig, consts | {"NORM_OFFSET": True}, 4)
 
 

@@ -7,11 +7,17 @@ schedule by hand the cases where that bookkeeping could slip.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from minivllm.config import EngineArgs
-from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.messages import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.cuda_graphs import (
     PREFILL_GRAPH_SEQS,
@@ -64,17 +70,23 @@ def step(step_id: int, new=(), cached=(), finished=(), preempted=()) -> Schedule
     )
 
 
+def launch(runner, so: SchedulerOutput):  # noqa: ANN001, ANN201
+    """A step without structured outputs, as a worker runs it: both calls at once."""
+    runner.execute_model(so)
+    return runner.sample_tokens()
+
+
 def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
     expected_a, expected_b = hf_greedy(qwen3_dir, [PROMPT_A, PROMPT_B], 4)
     runner = make_worker(qwen3_dir).model_runner
     n = len(PROMPT_A)
     # every step is launched before the previous one's output is looked at
-    outs = [runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))]
-    outs.append(runner.execute_model_async(step(1, cached=[("a", [], n, 1)])))
+    outs = [launch(runner, step(0, new=[new_req("a", PROMPT_A, [0, 1])]))]
+    outs.append(launch(runner, step(1, cached=[("a", [], n, 1)])))
     # "a" sits out a step (budget spent elsewhere): its in-flight token is now two steps old
-    outs.append(runner.execute_model_async(step(2, new=[new_req("b", PROMPT_B, [2])])))
-    outs.append(runner.execute_model_async(step(3, cached=[("a", [3], n + 1, 1), ("b", [], 3, 1)])))
-    outs.append(runner.execute_model_async(step(4, cached=[("a", [], n + 2, 1)])))
+    outs.append(launch(runner, step(2, new=[new_req("b", PROMPT_B, [2])])))
+    outs.append(launch(runner, step(3, cached=[("a", [3], n + 1, 1), ("b", [], 3, 1)])))
+    outs.append(launch(runner, step(4, cached=[("a", [], n + 2, 1)])))
     got = [o.get() for o in outs]
     tokens: dict[str, list[int]] = {"a": [], "b": []}
     for o in got:
@@ -92,18 +104,40 @@ def test_in_flight_tokens_feed_the_next_steps(qwen3_dir: str) -> None:
 def test_a_reused_row_is_not_written_by_a_late_output(qwen3_dir: str, gone: str) -> None:
     # one row only: "b" can run only once "a" is dropped
     runner = make_worker(qwen3_dir, max_num_seqs=1).model_runner
-    runner.execute_model_async(step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
+    launch(runner, step(0, new=[new_req("a", PROMPT_A, [0, 1])]))
     # "a" finished (aborted) or was preempted while its token was in flight; "b" takes its row
-    runner.execute_model_async(step(1, new=[new_req("b", PROMPT_B, [2])], **{gone: ["a"]}))
+    launch(runner, step(1, new=[new_req("b", PROMPT_B, [2])], **{gone: ["a"]}))
     row = runner.batch.requests["b"].row
     before = runner.batch.token_ids[row].copy()
-    runner.execute_model_async(step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
+    launch(runner, step(2, cached=[("b", [], 3, 1)]))  # applies step 0's output
     assert (runner.batch.token_ids[row] == before).all()
     assert runner.batch.token_ids[row, :3].tolist() == PROMPT_B
 
 
+def test_a_structured_step_samples_once_its_bitmask_comes(qwen3_dir: str) -> None:
+    """The two calls of a step with structured outputs: the forward first, then the sample,
+    constrained by the bitmask the second call brings (one token allowed: greedy takes it)."""
+    runner = make_worker(qwen3_dir).model_runner
+    so = step(0, new=[new_req("a", PROMPT_A, [0, 1])])
+    so.structured_output_req_ids = ["a"]
+    runner.execute_model(so)
+    with pytest.raises(RuntimeError, match="step 1 came before step 0 was sampled"):
+        runner.execute_model(step(1, cached=[("a", [], len(PROMPT_A), 1)]))
+    allowed = 77
+    mask = np.zeros((1, -(-runner.config.model.vocab_size // 32)), dtype=np.int32)
+    mask[0, allowed // 32] = 1 << (allowed % 32)
+    out = runner.sample_tokens(GrammarBitmask(0, mask)).get()
+    assert out.sampled_token_ids == [[allowed]]
+    # the next step reads that token as its input, and samples without a bitmask
+    out = launch(runner, step(1, cached=[("a", [], len(PROMPT_A), 1)])).get()
+    assert out.sampled_token_ids == [hf_greedy(qwen3_dir, [[*PROMPT_A, allowed]], 1)[0]]
+    runner.execute_model(step(2, cached=[("a", [], len(PROMPT_A) + 1, 1)]))
+    with pytest.raises(RuntimeError, match="0 structured-output requests; .* got a grammar"):
+        runner.sample_tokens(GrammarBitmask(2, mask))
+
+
 def test_step_buffers_views_share_one_buffer() -> None:
-    bufs = StepBuffers(8, 32, 5, torch.device("cpu"))
+    bufs = StepBuffers(8, 32, 5, 4, torch.device("cpu"))
     h = bufs.next_host()
     h.input_ids[:3] = [7, 8, 9]
     h.block_table[1, :2] = [4, 5]

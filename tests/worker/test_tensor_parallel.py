@@ -14,14 +14,19 @@ import torch
 import uvloop
 
 from minivllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, RequestOutputKind, SamplingParams
-from tests.hf_reference import hf_greedy, parity_prompts
+from tests.hf_reference import hf_greedy, longrope_prompts, parity_prompts
 from tests.process_helpers import spawned_children, wait_gone
+from tests.tiny_models import LONGROPE_ORIGINAL_LEN
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama"])
+@pytest.mark.parametrize("model", ["qwen3", "llama", "phi3", "phi3-longrope"])
 def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str) -> None:
+    """Each rank takes its heads of q, k and v and its part of gate and up, from separate
+    tensors or from Phi-3's fused ones; LongRoPE switches on every rank alike."""
     path = tiny_models[model]
     prompts = parity_prompts()[:5]
+    if model == "phi3-longrope":  # below, across and past its switch
+        prompts = longrope_prompts(LONGROPE_ORIGINAL_LEN)[1::2]
     expected = hf_greedy(path, prompts, 10)
     llm = LLM(path, dtype="float32", tensor_parallel_size=2)
     try:

@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+from minivllm.gguf_file import pretrained_args
 from minivllm.protocol.structured_outputs import (
     CONSTRAINTS,
     GrammarKind,
@@ -86,7 +87,8 @@ class GrammarCompiler:
         from transformers import AutoTokenizer
 
         xgr = xgrammar()
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        name, kwargs = pretrained_args(tokenizer)
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
         # a quarter of the cores per compile: the busy loop, the workers' host threads and
         # the bitmask fills keep theirs

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +18,7 @@ from minivllm.frontend.bench.geometry import (
     write_geometry,
 )
 from minivllm.frontend.llm import LLM
+from minivllm.model_files import read_hf_config
 from minivllm.process_utils import freeze_startup_heap
 
 
@@ -97,8 +96,7 @@ def start_llm(
 def max_token_id(model: str) -> int:
     """The largest id a random prompt may use: 10000 (vLLM's and the reference workload's
     range) unless the model's vocabulary is smaller."""
-    with open(os.path.join(model, "config.json")) as f:
-        return min(10000, int(json.load(f)["vocab_size"]) - 1)
+    return min(10000, int(read_hf_config(model)["vocab_size"]) - 1)
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:

@@ -18,6 +18,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from minivllm.config import resolve_device
@@ -28,6 +29,7 @@ from minivllm.frontend.bench.common import (
     model_dir,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.gguf_file import pretrained_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,16 +93,18 @@ class PrefillLogits:
         self.model = load_model(config.model, self.device, TPGroup(), backend)
 
     def __call__(self, tokens: list[int], kv_dtype: Any, compute_kv_scales: bool = False) -> Any:
-        from minivllm.worker.attention.metadata import one_prompt_metadata
         from minivllm.worker.kv_cache_memory import KVCacheShape
+        from minivllm.worker.step_buffers import StepBuffers
 
         m, bs, dev, n = self.config.model, self.config.cache.block_size, self.device, len(tokens)
         shape = KVCacheShape(m.num_layers, bs, m.num_kv_heads, m.head_dim, kv_dtype)
         caches = shape.allocate(-(-n // bs), dev)
-        meta = one_prompt_metadata(n, bs, dev, compute_kv_scales=compute_kv_scales)
+        buffers = StepBuffers(1, n, -(-n // bs), bs, dev)
+        meta = buffers.one_prompt(np.array(tokens, dtype=np.int64))
+        meta.compute_kv_scales = compute_kv_scales
         with torch.inference_mode():
-            ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-            hidden = self.model(ids, torch.arange(n, device=dev), caches, meta)
+            d = buffers.dev
+            hidden = self.model(d.input_ids[:n], d.positions[:n], caches, meta)
             return self.model.compute_logits(hidden)
 
 
@@ -140,7 +144,9 @@ def main(args: argparse.Namespace) -> dict:
         if args.compare == "hf":
             from transformers import AutoModelForCausalLM
 
-            hf_model = AutoModelForCausalLM.from_pretrained(model, dtype="float32").eval()
+            name, kwargs = pretrained_args(model)  # a GGUF file: transformers dequantizes it too
+            hf_model = AutoModelForCausalLM.from_pretrained(name, dtype="float32", **kwargs)
+            hf_model.eval()
         print(
             f"Model: {geometry or model} ({config.model.dtype}); {len(prompts)} prompts, "
             f"{sum(map(len, prompts))} positions; FP8 scales: "

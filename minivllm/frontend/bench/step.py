@@ -90,7 +90,8 @@ class StepDriver:
             finished_req_ids=list(finished),
         )
         self.step_id += 1
-        return self.runner.execute_model_async(so)
+        self.runner.execute_model(so)
+        return self.runner.sample_tokens()
 
 
 def _gpu_ms(fn: Any, reps: int = 20) -> float:

@@ -50,6 +50,7 @@ from minivllm.frontend.bench.workloads import (
     random_workload,
     reference_workload,
 )
+from minivllm.gguf_file import pretrained_args
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
 
@@ -250,7 +251,8 @@ def run_hf(
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(model_dir)
+    name, kwargs = pretrained_args(model_dir)
+    config = AutoConfig.from_pretrained(name, **kwargs)
     # .to(dtype) rather than from_config's dtype keyword, whose name changed in transformers 5
     model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))

@@ -17,6 +17,9 @@ first: launching the longest work first keeps a GPU's last wave short when conte
 every decode sequence live in the same blocks (those of block-table row 0), so attention may
 read them once for all decode rows (cascade.py). `compute_kv_scales`: this step sets each
 layer's FP8 KV scales from its keys and values before storing them (ops/kv_cache.py).
+
+The engine builds it in one place, `StepBuffers.attention_metadata` (views of the step's
+device buffers); tests of a backend build their own.
 """
 
 from __future__ import annotations
@@ -44,25 +47,3 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # int32 [num_decodes], on the device
     cascade_prefix_len: torch.Tensor | None = None  # int32 [1], on the device
     compute_kv_scales: bool = False
-
-
-def one_prompt_metadata(
-    n: int, block_size: int, device: torch.device, **fields: object
-) -> AttentionMetadata:
-    """A step of one whole n-token prompt in blocks 0, 1, ... (profiling, measurements)."""
-    bounds = torch.tensor([0, n], dtype=torch.int32)
-    return AttentionMetadata(
-        num_tokens=n,
-        num_seqs=1,
-        num_decodes=0,
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc=bounds.to(device),
-        seq_lens=bounds[1:].to(device),
-        block_table=torch.arange(-(-n // block_size), dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.arange(n, dtype=torch.long, device=device),
-        block_size=block_size,
-        query_start_loc_cpu=bounds,
-        seq_lens_cpu=bounds[1:],
-        **fields,
-    )

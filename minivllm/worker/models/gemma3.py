@@ -26,12 +26,12 @@ either layout, the vision tower's and the projector's left unread.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
+from minivllm.rope_config import GLOBAL_LAYER_TYPE
 from minivllm.sliding_windows import sliding_layers
 from minivllm.worker.attention.backend import AttentionBackend
 from minivllm.worker.distributed.parallel_state import TPGroup
@@ -42,23 +42,9 @@ from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import MLP, Attention, CausalLM, DecoderVariant
 
-_GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults for Gemma 3
-
-
-def rope_configs(hf_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(global, local) RoPE settings, each as a config that `RotaryEmbedding` reads: from
-    transformers 5's `rope_parameters` per layer type, or from the older top-level
-    `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq` (local)."""
-    params = hf_config.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = {"rope_theta": _GLOBAL_THETA, **(params.get("full_attention") or {})}
-        local = {"rope_theta": _LOCAL_THETA, **(params.get("sliding_attention") or {})}
-        return {"rope_parameters": full}, {"rope_parameters": local}
-    global_cfg = {
-        "rope_theta": hf_config.get("rope_theta", _GLOBAL_THETA),
-        "rope_scaling": hf_config.get("rope_scaling"),
-    }
-    return global_cfg, {"rope_theta": hf_config.get("rope_local_base_freq", _LOCAL_THETA)}
+# transformers' RoPE bases for Gemma 3 where config.json leaves them out: the global
+# layers' and the local (sliding) layers'
+_ROPE_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -117,8 +103,12 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         # as transformers does: sqrt(hidden) rounded to the weights' dtype (55.43 -> 55.5)
         self.embed_scale = float(torch.tensor(hidden**0.5, dtype=params_dtype))
+        # each from rope_parameters per layer type (transformers 5), or from the older
+        # top-level rope_theta + rope_scaling (global) and rope_local_base_freq (local)
+        rope_hf = {**_ROPE_DEFAULTS, **hf}
         global_rope, local_rope = (
-            RotaryEmbedding(config.head_dim, config.max_model_len, c) for c in rope_configs(hf)
+            RotaryEmbedding(config.head_dim, config.max_model_len, rope_hf, layer_type)
+            for layer_type in (GLOBAL_LAYER_TYPE, "sliding_attention")
         )
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(

@@ -1,9 +1,11 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+"""One decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Phi-4).
 
 They share pre-norm blocks of GQA attention with rotary embeddings and a SwiGLU MLP; what
 differs is a `DecoderVariant`: Qwen2 adds a bias to q/k/v, Qwen3 RMS-normalizes each
-query/key head before the rotation. Parameter names follow HF's, except that q/k/v and
-gate/up are stacked into `qkv_proj` and `gate_up_proj` so each is one matmul.
+query/key head before the rotation, Phi-3 stores q/k/v and gate/up fused in its checkpoint
+(its partial rotary and LongRoPE are the rotary table's: layers/rotary.py). Parameter names
+follow HF's, except that q/k/v and gate/up are stacked into `qkv_proj` and `gate_up_proj`
+so each is one matmul (Phi-3's own names).
 
 Where one kernel does the work of several, the model calls that fused op by name
 (layers/fused.py, which decides when the kernel can run): each norm runs inside the
@@ -60,6 +62,8 @@ class DecoderVariant:
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh
     query_pre_attn_scalar: float | None = None  # Gemma: the attention scale is its -1/2 power
     final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
+    # the checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
+    fused_checkpoint: bool = False
 
     def for_checkpoint(self, hf_config: dict[str, Any]) -> DecoderVariant:
         """This architecture's variant with the knobs of a checkpoint's config.json."""
@@ -254,7 +258,9 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-# checkpoint name part -> (our stacked parameter's name part, shard id)
+# checkpoint name part -> (our stacked parameter's name part, shard id); a checkpoint
+# tensor named as the stacked parameter itself (Phi-3's qkv_proj, gate_up_proj) holds every
+# shard, fused, and loads with shard id None
 _STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
@@ -295,6 +301,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T]; kv_caches: one per layer. Returns hidden [T, hidden].
+        Positions are read only as rows of the rotary table (a LongRoPE sequence past the
+        threshold: its positions plus the threshold, see layers/rotary.py).
 
         Each layer writes this step's keys/values into its cache at meta.slot_mapping."""
         with forward_batch(meta, kv_caches):
@@ -335,7 +343,7 @@ class CausalLM(nn.Module):
                 loader(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"{hf_name}: {e}") from e
-            loaded[name].add(shard_id)
+            loaded[name].update(expected[name] if shard_id is None else (shard_id,))
         missing = sorted(
             f"{name}[{shard}]" if shard is not None else name
             for name, shards in expected.items()

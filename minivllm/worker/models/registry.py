@@ -18,6 +18,8 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, _GEMMA3),
     # its text model, for text prompts (language_model_config.py flattens its config)
     "Gemma3ForConditionalGeneration": (Gemma3ForConditionalGeneration, _GEMMA3),
+    # Phi-3 and Phi-4 (Phi-4-mini too); resid_pdrop and the other dropouts are training's
+    "Phi3ForCausalLM": (CausalLM, DecoderVariant(fused_checkpoint=True)),
     "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
