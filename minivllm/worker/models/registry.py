@@ -15,6 +15,8 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "MistralForCausalLM": (CausalLM, DecoderVariant()),
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "Qwen3MoeForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "MixtralForCausalLM": (CausalLM, DecoderVariant(norm_topk_prob=True)),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, _GEMMA3),
     # its text model, for text prompts (language_model_config.py flattens its config)
     "Gemma3ForConditionalGeneration": (Gemma3ForConditionalGeneration, _GEMMA3),
