@@ -105,7 +105,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Paths of tiny checkpoints with 8-token sliding windows: gemma3, gemma3-pattern (the
-    older config layout), mistral-window, phi3-window, qwen2-window (see
+    older config layout), mistral-window, mixtral-window, phi3-window, qwen2-window (see
     tests/tiny_models.py)."""
     return build_window_checkpoints(str(tmp_path_factory.mktemp("window_models")))
 

@@ -154,9 +154,9 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
     linear RoPE scaling on the global layer, logit soft-capping), gemma3-pattern (the same
     model family in the older config layout: `sliding_window_pattern`, `rope_theta` +
     `rope_local_base_freq`, tied embeddings left to the default), mistral-window (every
-    layer windowed, so the engine frees the blocks behind the window), phi3-window (the
-    same, with Phi-3's fused checkpoint and partial rotary) and qwen2-window
-    (`use_sliding_window` from `max_window_layers` on)."""
+    layer windowed, so the engine frees the blocks behind the window), mixtral-window (the
+    same, with routed experts), phi3-window (the same, with Phi-3's fused checkpoint and
+    partial rotary) and qwen2-window (`use_sliding_window` from `max_window_layers` on)."""
     gemma = dict(
         num_layers=3,
         sliding_window=8,
@@ -178,6 +178,9 @@ def build_window_checkpoints(root: str) -> dict[str, str]:
         ),
         "mistral-window": build_checkpoint(
             os.path.join(root, "mistral-window"), "mistral", seed=6, sliding_window=8
+        ),
+        "mixtral-window": build_checkpoint(
+            os.path.join(root, "mixtral-window"), "mixtral", seed=9, sliding_window=8
         ),
         "phi3-window": build_checkpoint(
             os.path.join(root, "phi3-window"),

@@ -129,19 +129,19 @@ _WINDOW_CASES = [
 ]
 
 
-_EVERY_LAYER_WINDOWED = ("mistral-window", "phi3-window")
+_EVERY_LAYER_WINDOWED = ("mistral-window", "mixtral-window", "phi3-window")
 
 
 @pytest.mark.parametrize("engine_kwargs", _WINDOW_CASES)
 @pytest.mark.parametrize(
-    "model", ["gemma3", "gemma3-pattern", "mistral-window", "phi3-window", "qwen2-window"]
+    "model", ["gemma3", "gemma3-pattern", *_EVERY_LAYER_WINDOWED, "qwen2-window"]
 )
 def test_sliding_window_greedy_matches_transformers(
     window_models: dict[str, str], model: str, engine_kwargs: dict
 ) -> None:
     """8-token windows under prompts of up to 60 tokens and 12 more generated: Gemma 3's
-    interleaved sliding and global layers, Mistral's and Phi-3's windowed layers (whose
-    blocks behind the window go back to the pool)."""
+    interleaved sliding and global layers, Mistral's, Mixtral's and Phi-3's windowed layers
+    (whose blocks behind the window go back to the pool)."""
     path = window_models[model]
     got, stats = run_core(path, parity_prompts(), **engine_kwargs)
     assert got == [list(t) for t in _hf_expected(path)]
