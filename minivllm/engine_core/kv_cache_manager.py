@@ -80,6 +80,14 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    def fits_any_length(self, step_tokens: int) -> bool:
+        """Whether a request alone fits whatever its length: under a sliding window, when the
+        blocks one step of up to `step_tokens` new tokens holds (its window's and its new
+        tokens') fit the cache. Otherwise a sequence is bounded by the whole cache."""
+        if self.sliding_window is None:
+            return False
+        return cdiv(self.sliding_window - 1 + step_tokens, self.block_size) + 1 <= self.num_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | None], int]:
         """The longest cached prefix of `request`, as (blocks, number of tokens), at most
         `num_tokens - 1` tokens; under a sliding window, blocks behind the window of the

@@ -83,15 +83,12 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, bs, cache_config.enable_prefix_caching, sliding_window
         )
-        # a request alone always fits: its sequence never outgrows the whole cache, or, under
-        # a sliding window, the blocks one step holds (its window and its new tokens) fit
+        # a request alone always fits: its sequence never outgrows the whole cache, unless a
+        # sliding window bounds the blocks it holds
         step_tokens = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
-        self.window_bounds_blocks = (
-            sliding_window is not None
-            and cdiv(sliding_window - 1 + step_tokens, bs) + 1 <= num_blocks
-        )
+        self.fits_any_length = self.kv_cache_manager.fits_any_length(step_tokens)
         self.max_len = scheduler_config.max_model_len
-        if not self.window_bounds_blocks:
+        if not self.fits_any_length:
             self.max_len = min(self.max_len, num_blocks * bs)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.waiting: deque[Request] = deque()
@@ -120,7 +117,7 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})"
             )
         num_blocks = self.kv_cache_manager.num_blocks
-        if cdiv(n, self.block_size) > num_blocks and not self.window_bounds_blocks:
+        if cdiv(n, self.block_size) > num_blocks and not self.fits_any_length:
             raise ValueError(
                 f"request {request_id}: the prompt ({n} tokens) needs "
                 f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "
