@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults, rope_config
-from minivllm.gguf_file import gguf_hf_config, is_gguf_path
+from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
+from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
@@ -81,6 +80,17 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None where it sees the whole context."""
+        return layer_sliding_windows(self.hf_config, self.num_layers, self.max_model_len)
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """Set when every layer attends over a window: the KV blocks behind the largest are
+        read by no layer and go back to the pool (engine_core/kv_cache_manager.py)."""
+        return kv_sliding_window(self.sliding_windows)
 
     @property
     def num_experts(self) -> int:
@@ -173,45 +183,6 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
-def read_hf_config(model: str) -> dict[str, Any]:
-    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
-    if is_gguf_path(model):
-        return gguf_hf_config(model)
-    config_path = os.path.join(model, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"model: no config.json in {model!r}")
-    return _read_json(config_path)
-
-
-def _resolve_load_format(model: str, load_format: str, quantization: str | None) -> str:
-    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
-    weights of its geometry); "gguf", as load_format or quantization, needs one."""
-    gguf = is_gguf_path(model)
-    for name, value in (("load_format", load_format), ("quantization", quantization)):
-        if value == "gguf" and not gguf:
-            raise ValueError(f"{name}='gguf' needs model to be a GGUF file, got {model!r}")
-    if gguf and quantization not in (None, "gguf"):
-        raise ValueError(f"quantization={quantization!r}: a GGUF file's quantization is 'gguf'")
-    return "gguf" if gguf and load_format == "auto" else load_format
-
-
-def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    eos: Any = None
-    if os.path.isfile(gen_path):
-        eos = _read_json(gen_path).get("eos_token_id")
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
@@ -416,13 +387,15 @@ class EngineArgs:
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
-            load_format=_resolve_load_format(self.model, self.load_format, self.quantization),
+            load_format=resolve_load_format(self.model, self.load_format, self.quantization),
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
-            eos_token_ids=_eos_ids(self.model, hf_config),
+            eos_token_ids=eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
         )
+        # a layout no layer can serve fails here, not in a worker
+        _ = model_cfg.sliding_windows
         rope_config.rotary_dim(
             model_cfg.head_dim,
             rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),

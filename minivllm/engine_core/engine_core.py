@@ -76,7 +76,9 @@ class EngineCore:
             raise
         try:
             self.num_blocks = self.executor.num_blocks
-            self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+            self.scheduler = Scheduler(
+                config.scheduler, config.cache, self.num_blocks, config.model.kv_sliding_window
+            )
             # steps launched but not yet applied: at most one in flight with async scheduling
             self.batch_queue: deque[_InFlight] = deque()
             self.max_in_flight = 2 if config.scheduler.async_scheduling else 1

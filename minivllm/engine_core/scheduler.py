@@ -70,15 +70,26 @@ class _NextStep:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: set when every layer of the model attends over a window of at
+        most that many tokens (`ModelConfig.kv_sliding_window`); blocks behind it are freed."""
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
+        self.block_size = bs = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, bs, cache_config.enable_prefix_caching, sliding_window
         )
-        # a sequence never outgrows the whole cache, so a request alone always fits
-        self.max_len = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
+        # a request alone always fits: its sequence never outgrows the whole cache, unless a
+        # sliding window bounds the blocks it holds
+        step_tokens = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+        self.fits_any_length = self.kv_cache_manager.fits_any_length(step_tokens)
+        self.max_len = scheduler_config.max_model_len
+        if not self.fits_any_length:
+            self.max_len = min(self.max_len, num_blocks * bs)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -106,7 +117,7 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})"
             )
         num_blocks = self.kv_cache_manager.num_blocks
-        if cdiv(n, self.block_size) > num_blocks:
+        if cdiv(n, self.block_size) > num_blocks and not self.fits_any_length:
             raise ValueError(
                 f"request {request_id}: the prompt ({n} tokens) needs "
                 f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "

@@ -56,6 +56,9 @@ def _layer_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tup
         layer["self_attn.o_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if variant.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,)})
+        layer.update({"post_feedforward_layernorm.weight": (h,)})
     return layer
 
 
@@ -109,11 +112,13 @@ def _fused(layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
 def dummy_weights(
     config: ModelConfig, variant: DecoderVariant, device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small."""
+    """(HF name, full tensor) pairs: norms 1 (Gemma's stored offset 0), matrices
+    N(0, initializer_range), biases small."""
     std = float(config.hf_config.get("initializer_range", 0.02))
+    norm_fill = 0.0 if variant.norm_offset else 1.0
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+            yield name, torch.full(shape, norm_fill, dtype=dtype, device=device)
             continue
         digest = hashlib.sha256(f"{config.seed}:{name}".encode()).digest()
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -97,9 +97,14 @@ class ModelRunner:
             and not config.device.enforce_eager
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
         )
+        # windowed layers attend their own window only: cascade needs a layer without one
+        self.cascade = (
+            self.attn_backend_name == "triton"
+            and not config.model.disable_cascade_attn
+            and config.model.kv_sliding_window is None
+        )
         # steps of a few short prompts (a batch-1 TTFT) replay graphs too: the Triton prefill
         # kernel's grid is fixed by the padded shape; other backends run prompts eagerly
-        self.cascade = self.attn_backend_name == "triton" and not config.model.disable_cascade_attn
         self.graphs = RunnerGraphs(max_seqs, self.cascade, self.attn_backend_name == "triton")
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False

@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
+from minivllm.frontend.arg_utils import EngineArgs
 from minivllm.frontend.bench.floor import ExpertTraffic, memory_floor
 from minivllm.frontend.bench.geometry import (
     GEOMETRIES,
     expert_parameters,
     num_parameters,
     sparse_layers,
+    write_geometry,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
@@ -85,6 +87,31 @@ def test_moe_floor_reads_the_experts_a_step_routes_to():
         param_bytes=10_000 + 128 * 200, experts=experts,
     )  # fmt: skip
     assert floor.weight_bytes == pytest.approx(4 * (10_000 + 128 * 200), rel=1e-6)
+
+
+def test_gemma3_geometry_and_its_windowed_floor(tmp_path) -> None:
+    cfg = GEOMETRIES["gemma3-1b"]
+    assert num_parameters(cfg) == 999_885_952  # Gemma 3 1B's count
+    # every 6th of its 26 layers global, the others over 512 tokens
+    path = write_geometry("gemma3-1b", str(tmp_path))
+    args = EngineArgs(model=path, device="cpu", load_format="dummy", skip_tokenizer_init=True)
+    model = args.create_engine_config().model
+    assert [i for i, w in enumerate(model.sliding_windows) if w is None] == [5, 11, 17, 23]
+    assert {w for w in model.sliding_windows if w is not None} == {512}
+    # a 3-token prompt, 4 outputs (3, 4, 5, 6 cached tokens); a layer windowed over 5 tokens
+    # reads at most the 4 before each query: 3 + 4 + 4 + 4
+    floor = memory_floor(
+        [3], [4], num_layers=2, num_kv_heads=1, head_dim=1, param_bytes=10,
+        sliding_windows=[5, None],
+    )  # fmt: skip
+    assert floor.kv_bytes == ((3 + 4 + 4 + 4) + (3 + 4 + 5 + 6)) * 2 * 2
+    # a prompt longer than the window: every output reads window - 1
+    floor = memory_floor([30], [2], num_layers=1, num_kv_heads=1, head_dim=1, param_bytes=10,
+                         sliding_windows=[5])  # fmt: skip
+    assert floor.kv_bytes == 2 * 4 * 2 * 2
+    with pytest.raises(ValueError, match="sliding_windows has 1 entries for 2 layers"):
+        memory_floor([3], [2], num_layers=2, num_kv_heads=1, head_dim=1, param_bytes=10,
+                     sliding_windows=[5])  # fmt: skip
 
 
 def test_floor_counts_context_per_output_token():

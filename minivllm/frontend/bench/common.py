@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs, read_hf_config, resolve_device
+from minivllm.config import EngineArgs, resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.bench.geometry import (
     DEFAULT_CPU_GEOMETRY,
@@ -18,6 +18,7 @@ from minivllm.frontend.bench.geometry import (
     write_geometry,
 )
 from minivllm.frontend.llm import LLM
+from minivllm.model_files import read_hf_config
 from minivllm.process_utils import freeze_startup_heap
 
 

@@ -229,6 +229,7 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
             param_bytes=num_parameters(model.hf_config) * dtype_bytes,
             kv_dtype_bytes=elem,
             experts=experts,
+            sliding_windows=model.sliding_windows,
         )
         floor_s = floor.seconds(bandwidth)
         pct = 100 * floor_s / r.elapsed_s
