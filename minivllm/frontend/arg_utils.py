@@ -67,6 +67,10 @@ HELP = {
     "a generation_config.json",
     "override_generation_config": "JSON object over the generation config, e.g. "
     "'{\"temperature\": 0.5}'",
+    "speculative_config": "speculative decoding, as a JSON object: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\'',
 }
 
 
