@@ -64,25 +64,32 @@ class EngineCore:
         start = time.monotonic()
         self.executor = executor_class(config)
         self.num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, config.speculative
+        )
         # steps launched but not yet applied: at most one in flight with async scheduling
         self.batch_queue: deque[_InFlight] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.trace = StepTrace()
         model = config.model
+        spec = config.speculative
         self.structured = StructuredOutputManager(
             None if model.skip_tokenizer_init else model.tokenizer,
             model.vocab_size,
             config.scheduler.max_num_seqs,
+            0 if spec is None else spec.num_speculative_tokens,
         )
         # requests refused at arrival (or whose grammar failed), answered with an error
         # output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
         logger.info(
-            "engine core ready in %.1f s: %d KV blocks, async scheduling %s",
+            "engine core ready in %.1f s: %d KV blocks, async scheduling %s%s",
             time.monotonic() - start,
             self.num_blocks,
             "on" if config.scheduler.async_scheduling else "off",
+            ""
+            if spec is None
+            else f", speculative decoding {spec.method} (k={spec.num_speculative_tokens})",
         )
 
     # ------------------------------------------------------------------ requests
@@ -162,9 +169,10 @@ class EngineCore:
         """The step's second call, with its grammar bitmask if it has structured outputs."""
         so, bitmask = step.scheduler_output, None
         if so.structured_output_req_ids:
-            requests = self.scheduler.requests
+            requests, ids = self.scheduler.requests, so.structured_output_req_ids
+            drafts = so.scheduled_spec_decode_tokens
             mask = self.structured.fill_bitmask(
-                [requests.get(r) for r in so.structured_output_req_ids]
+                [requests.get(r) for r in ids], [drafts.get(r, []) for r in ids] if drafts else None
             )
             bitmask = GrammarBitmask(so.step_id, mask)
         step.result = self.executor.sample_tokens(bitmask)

@@ -11,6 +11,13 @@ Prefix-cache contract:
 - `allocate_slots` takes references on the hit blocks, allocates new ones, and caches every
   block that becomes full with tokens whose KV the scheduled step computes.
 - `free` drops the request's references; cached blocks stay reusable until evicted (LRU).
+
+Speculative decoding: a step that verifies draft tokens writes their KV into the request's
+slots after its last token; the scheduler takes the rejected ones back by lowering
+`num_computed_tokens`, and the next step writes over those slots (the blocks stay the
+request's). No block is cached while it holds a draft's KV: only blocks full of known
+tokens are hashed. `num_lookahead_tokens` reserves slots past a step's tokens that a draft
+model writes while it proposes the next ones.
 """
 
 from __future__ import annotations
@@ -77,8 +84,10 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, and
+        `num_lookahead_tokens` slots after those.
 
         `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
         `get_computed_blocks` for a request that holds no blocks yet. Returns the ids of the
@@ -92,7 +101,8 @@ class KVCacheManager:
         if is_first:
             req_blocks = []
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks) - len(hits)
+        num_slots = num_total + num_lookahead_tokens
+        num_new_blocks = cdiv(num_slots, self.block_size) - len(req_blocks) - len(hits)
         new_block_ids: list[int] = []
         if hits or num_new_blocks > 0:  # (a decode step mostly fits in the last block)
             num_new_blocks = max(num_new_blocks, 0)

@@ -11,6 +11,12 @@ ids back. Nothing on this path waits for the GPU, so with async scheduling the h
 step N+1 while the GPU runs step N; and the engine-core fills a step's grammar bitmask while
 the GPU runs its forward. A step without structured outputs needs no bitmask: the worker
 makes both calls at once.
+
+Speculative decoding: a request with draft tokens (`scheduled_spec_decode_tokens`) runs its
+last token and the drafts, samples a row after each, and the sampler keeps the accepted
+drafts and one more token (spec_decode/verification.py). Such a step first takes every
+earlier step's tokens onto the host (the engine-core has them already, so this does not
+wait): the rows after the drafts read the whole output on the host.
 """
 
 from __future__ import annotations
@@ -37,12 +43,11 @@ from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.step_inputs import (
     ExecutedStep,
     ForwardPlan,
-    SamplingInputs,
     ScheduledBatch,
     StepInputs,
     order_requests,
+    prepare_sampling,
     write_in_flight,
-    write_logits_rows,
     write_token_inputs,
 )
 
@@ -73,6 +78,9 @@ class ModelRunner:
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
+        spec = config.speculative
+        # the most rows a step samples: each request's last token and its drafts
+        self.max_sample_rows = max_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
         self.buffers = StepBuffers(
             max_seqs,
@@ -80,6 +88,7 @@ class ModelRunner:
             self.max_blocks_per_req,
             self.block_size,
             device,
+            self.max_sample_rows,
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -146,7 +155,7 @@ class ModelRunner:
         meta = self.buffers.one_prompt(np.zeros(n, dtype=np.int64))
         d = self.buffers.dev
         hidden = self.model(d.input_ids[:n], d.positions[:n], caches, meta)
-        rows = min(n, sched.max_num_seqs)
+        rows = min(n, self.max_sample_rows)
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
@@ -215,7 +224,7 @@ class ModelRunner:
         self._executed = step
         if so.total_num_scheduled_tokens == 0:
             return
-        self._apply_older_outputs()
+        self._apply_older_outputs(keep_newest=not so.scheduled_spec_decode_tokens)
         step.inputs = inputs = self._prepare_inputs(so)
         step.req_ids = [s.req_id for s in inputs.requests]
         hidden = self._forward(inputs)
@@ -246,18 +255,22 @@ class ModelRunner:
             return AsyncModelRunnerOutput(
                 step.step_id, step.req_ids, [], None, step.prompt_logprobs
             )
+        verification = sampling.verification
         if step.logits is None:
             m = sampling.metadata
-            result = SamplerOutput(
-                self.model.lm_head.draw(step.hidden, m.temperature, m.seeds, m.positions)
-            )
+            drawn = self.model.lm_head.draw(step.hidden, m.temperature, m.seeds, m.positions)
+            result = SamplerOutput.of(drawn, verification)
         else:
-            result = self.sampler(step.logits, sampling.metadata, grammar)
+            result = self.sampler(step.logits, sampling.metadata, grammar, verification)
         out = AsyncModelRunnerOutput(
-            step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs
-        )
-        for j, s in enumerate(sampled_states):
-            s.num_tokens += 1
+            step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs,
+            None if verification is None else sampling.num_rows,
+        )  # fmt: skip
+        for j, (s, num_rows) in enumerate(zip(sampled_states, sampling.num_rows, strict=True)):
+            if num_rows > 1:
+                s.unsettled = True  # how many tokens it got: the next diff says
+            else:
+                s.num_tokens += 1
             s.last_sample = (out, j)
         self._pending.append((out, sampled_states))
         return out
@@ -292,9 +305,11 @@ class ModelRunner:
             return None
         if self.grammar_bitmasks is None:
             self.grammar_bitmasks = GrammarBitmasks(
-                self.config.scheduler.max_num_seqs, self.config.model.vocab_size, self.device
+                self.max_sample_rows, self.config.model.vocab_size, self.device
             )
-        sample_rows = {s.req_id: j for j, s in enumerate(sampled)}
+        counts = step.sampling.num_rows.tolist()
+        firsts = np.cumsum([0, *counts[:-1]]).tolist()
+        sample_rows = {s.req_id: (f, c) for s, f, c in zip(sampled, firsts, counts, strict=True)}
         return self.grammar_bitmasks.stage_step(
             msg, step.step_id, step.structured_req_ids, sample_rows
         )
@@ -311,17 +326,20 @@ class ModelRunner:
                 new.min_tokens_stop_ids,
             )  # fmt: skip
         self.batch.update(so.scheduled_cached_reqs)
+        for req_id, draft_ids in so.scheduled_spec_decode_tokens.items():
+            self.batch.write_drafts(self.batch.requests[req_id], draft_ids)
 
-    def _apply_older_outputs(self) -> None:
-        """Write the sampled ids of every launched step but the newest into the host token
-        ids. Those steps ran before the newest one, so this seldom waits; the newest one's
-        ids are read on the device by the step about to launch."""
-        while len(self._pending) > 1:
+    def _apply_older_outputs(self, keep_newest: bool = True) -> None:
+        """Write the sampled ids of every launched step but the newest (`keep_newest`) into
+        the host token ids. Those steps ran before the newest one, so this seldom waits; the
+        newest one's ids are read on the device by the step about to launch."""
+        while len(self._pending) > keep_newest:
             out, states = self._pending.popleft()
-            for s, tok in zip(states, out.token_ids(), strict=True):
+            for s, tokens in zip(states, out.token_ids(), strict=True):
                 # a request that finished or was preempted since has a new state (or none)
                 if self.batch.requests.get(s.req_id) is s:
-                    self.batch.append_host_token(s, tok)
+                    for tok in tokens:
+                        self.batch.append_host_token(s, tok)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's inputs, in the step buffers on the device (phases: step_inputs.py)."""
@@ -329,7 +347,7 @@ class ModelRunner:
         plan = self._plan_forward(so, sched)
         h = self.buffers.next_host()
         write_token_inputs(h, sched, plan, self.batch, self.block_size, self.buffers.on_cuda)
-        sampling = self._prepare_sampling(sched)
+        sampling = prepare_sampling(sched, self.batch, self.processors, self.buffers)
         latest = self._pending[-1][0] if self._pending else None
         num_in_flight = write_in_flight(h, sched, latest)
         self.buffers.copy_to_device(plan.num_seqs)
@@ -360,17 +378,6 @@ class ModelRunner:
         if self.use_graphs and not compute_kv_scales:
             graphs, num_tokens, num_seqs = self.graphs.pick(n, nd, sched.total, bool(cascade))
         return ForwardPlan(graphs, num_tokens, num_seqs, cascade, compute_kv_scales)
-
-    def _prepare_sampling(self, sched: ScheduledBatch) -> SamplingInputs | None:
-        """The logits rows and sampling parameters of the requests that sample."""
-        req_idx = write_logits_rows(self.buffers.host, sched)
-        if not len(req_idx):
-            return None
-        metadata = SamplingMetadata.prepare(
-            self.batch, self.processors, self.buffers, sched.rows[req_idx], sched.seq_lens[req_idx]
-        )
-        logits_indices = self.buffers.dev.logits_indices[: len(req_idx)]
-        return SamplingInputs(req_idx.tolist(), logits_indices, metadata)
 
     def _cascade_prefix_len(
         self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False
