@@ -30,9 +30,11 @@ class AsyncModelRunnerOutput:
         result: SamplerOutput | None,
         prompt_logprobs: dict[str, LogprobsTensors] | None = None,
         num_rows: np.ndarray | None = None,
+        draft_token_ids: torch.Tensor | None = None,
     ) -> None:
         """result: the sampler's output on the device for the requests at sample_idx (each
-        of `num_rows` sampling rows, one by default); prompt_logprobs: by request id."""
+        of `num_rows` sampling rows, one by default); prompt_logprobs: by request id;
+        draft_token_ids [len(sample_idx), k]: the draft model's proposals."""
         self.step_id = step_id
         self.req_ids = req_ids
         self.sample_idx = sample_idx
@@ -50,9 +52,11 @@ class AsyncModelRunnerOutput:
             self._host = _to_host(verified.tokens)
             self._num_tokens = _to_host(verified.num_tokens)
         self._logprobs = None if logprobs is None else tuple(map(_to_host, logprobs))
+        self._drafts = _to_host(draft_token_ids)
         prompt_logprobs = prompt_logprobs or {}
         self._prompt_logprobs = {r: tuple(map(_to_host, t)) for r, t in prompt_logprobs.items()}
-        copied = [sampled, *(logprobs or ()), *(t[0] for t in prompt_logprobs.values())]
+        copied = [sampled, draft_token_ids, *(logprobs or ())]
+        copied += [t[0] for t in prompt_logprobs.values()]
         if any(t is not None and t.is_cuda for t in copied):
             self._event = torch.cuda.Event()
             self._event.record()
@@ -86,6 +90,11 @@ class AsyncModelRunnerOutput:
         logprobs, logprobs_req_idx = None, []
         if self._logprobs is not None:
             logprobs, logprobs_req_idx = self._kept_logprobs(tokens)
+        drafts = []
+        if self._drafts is not None:
+            drafts = [[] for _ in self.req_ids]
+            for i, d in zip(self.sample_idx, self._drafts.tolist(), strict=True):
+                drafts[i] = d
         return ModelRunnerOutput(
             step_id=self.step_id,
             req_ids=self.req_ids,
@@ -93,6 +102,7 @@ class AsyncModelRunnerOutput:
             logprobs=logprobs,
             logprobs_req_idx=logprobs_req_idx,
             prompt_logprobs={r: _arrays(t) for r, t in self._prompt_logprobs.items()},
+            draft_token_ids=drafts,
         )
 
     def _kept_logprobs(self, tokens: list[list[int]]) -> tuple[LogprobsArrays, list[int]]:

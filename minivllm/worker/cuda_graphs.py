@@ -121,9 +121,11 @@ class RunnerGraphs:
         d: DeviceViews,
         max_num_seqs: int,
         max_tokens: int,
+        pool: object = None,
     ) -> None:
         """Capture every graph over the device views `d`, which hold what padding holds at
-        replay: no KV slot, no context, no query tokens."""
+        replay: no KV slot, no context, no query tokens; in the memory pool `pool` (that of
+        other graphs, which never run at the same time), or a new one."""
         d.slot_mapping.fill_(-1)
         d.seq_lens.zero_()
         d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
@@ -132,7 +134,7 @@ class RunnerGraphs:
         d.cascade_prefix_len.zero_()
         d.query_start_loc.zero_()
         sizes = capture_sizes(min(max_num_seqs, max_tokens))
-        self.decode.capture(lambda b: forward(b, b, b), sizes)
+        self.decode.capture(lambda b: forward(b, b, b), sizes, pool)
         pool = self.decode.pool  # one step runs at a time: every graph shares one pool
         if self.with_cascade:
             cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
@@ -142,6 +144,10 @@ class RunnerGraphs:
         if self.with_prefill:
             prefill_sizes = prefill_capture_sizes(max_tokens)
             self.prefill.capture(lambda t: forward(t, self.prefill_seqs, 0), prefill_sizes, pool)
+
+    def family(self, name: str) -> StepGraphs:
+        """The graphs of one kind of step, by `StepGraphs.name`."""
+        return next(g for g in (self.decode, self.cascade, self.prefill) if g.name == name)
 
     def pick(
         self, n: int, nd: int, total: int, cascade: bool

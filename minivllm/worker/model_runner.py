@@ -97,10 +97,16 @@ class ModelRunner:
         self.attn_backend_name, self.attn_backend = get_attention_backend(
             device.type, block_size=self.block_size, head_dim=m.head_dim, dtype=self.kv_shape.dtype
         )
+        self.drafter = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft_model":
+            from minivllm.worker.spec_decode.draft_model import DraftModel
+
+            self.drafter = DraftModel(config, device, tp, self.dtype)
         self.use_graphs = (
             device.type == "cuda"
             and not config.device.enforce_eager
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
+            and (self.drafter is None or self.drafter.attn_backend_name == self.attn_backend_name)
         )
         # steps of a few short prompts (a batch-1 TTFT) replay graphs too: the Triton prefill
         # kernel's grid is fixed by the padded shape; other backends run prompts eagerly
@@ -119,6 +125,8 @@ class ModelRunner:
         from minivllm.worker.model_loader import load_model
 
         self.model = load_model(self.config.model, self.device, self.tp, self.attn_backend)
+        if self.drafter is not None:
+            self.drafter.load_model()
         cache = self.config.cache
         if cache.fp8_kv:
             from_checkpoint = getattr(self.model, "has_kv_scales", False)
@@ -131,10 +139,13 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: an override, a fixed byte budget, or the profiled free memory."""
         cache = self.config.cache
+        block_bytes = self.kv_shape.block_bytes
+        if self.drafter is not None:  # the draft's cache has the same blocks
+            block_bytes += self.drafter.kv_shape.block_bytes
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if cache.kv_cache_memory_bytes is not None:
-            num = cache.kv_cache_memory_bytes // self.kv_shape.block_bytes
+            num = cache.kv_cache_memory_bytes // block_bytes
             # no need to hold more than every sequence at full length
             cap = self.config.scheduler.max_num_seqs * self.max_blocks_per_req + 1
             return int(min(num, cap))
@@ -143,7 +154,7 @@ class ModelRunner:
         self.profile_run()
         reserve = _GRAPH_RESERVE if self.use_graphs else 0.0
         utilization = cache.gpu_memory_utilization
-        return profiled_num_blocks(self.kv_shape, self.device, utilization, reserve)
+        return profiled_num_blocks(block_bytes, self.device, utilization, reserve)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -159,11 +170,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
+        if self.drafter is not None:
+            caches = self.drafter.kv_shape.allocate(-(-n // self.block_size), self.device)
+            self.drafter.model(d.input_ids[:n], d.positions[:n], caches, meta)
+            del caches
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, capture the decode graphs over it, warm the allocator."""
         m = self.config.model
         self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         max_conc = num_blocks * self.block_size / m.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %.2f GiB); max concurrency at %d tokens "
@@ -179,9 +196,18 @@ class ModelRunner:
             sched = self.config.scheduler
             with torch.inference_mode():
                 self.graphs.capture(
-                    self._static_forward, self.buffers.dev, sched.max_num_seqs,
-                    sched.max_num_batched_tokens,
+                    self._static_forward(self.model, self.kv_caches), self.buffers.dev,
+                    sched.max_num_seqs, sched.max_num_batched_tokens,
                 )  # fmt: skip
+                if self.drafter is not None:
+                    drafter = self.drafter
+                    drafter.graphs = RunnerGraphs(
+                        sched.max_num_seqs, self.cascade, self.attn_backend_name == "triton"
+                    )
+                    drafter.graphs.capture(
+                        self._static_forward(drafter.model, drafter.kv_caches), self.buffers.dev,
+                        sched.max_num_seqs, sched.max_num_batched_tokens, self.graphs.decode.pool,
+                    )  # fmt: skip
         elif self.device.type == "cuda":
             why = (
                 "enforce_eager"
@@ -194,22 +220,27 @@ class ModelRunner:
             # long prefill steps of a run otherwise cudaMalloc them, which stalls the stream
             self.profile_run()
 
-    def _static_forward(
-        self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
-    ) -> torch.Tensor:
-        """The forward of a step of this shape over the static device buffers, as a graph
-        captures it: every length is read on the device, only the shapes are fixed."""
-        meta = self.buffers.attention_metadata(
-            num_tokens,
-            num_seqs,
-            num_decodes,
-            max_query_len=1 if num_decodes else num_tokens,
-            max_seq_len=self.config.model.max_model_len,
-            with_host_copies=False,
-            cascade=cascade,
-        )
-        d = self.buffers.dev
-        return self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], self.kv_caches, meta)
+    def _static_forward(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]):
+        """`forward(num_tokens, num_seqs, num_decodes, cascade)`: the forward of `model` (the
+        target, or the draft) over the static device buffers for a step of that shape, as a
+        graph captures it: every length is read on the device, only the shapes are fixed."""
+        d, max_len = self.buffers.dev, self.config.model.max_model_len
+
+        def forward(
+            num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
+        ) -> torch.Tensor:
+            meta = self.buffers.attention_metadata(
+                num_tokens,
+                num_seqs,
+                num_decodes,
+                max_query_len=1 if num_decodes else num_tokens,
+                max_seq_len=max_len,
+                with_host_copies=False,
+                cascade=cascade,
+            )
+            return model(d.input_ids[:num_tokens], d.positions[:num_tokens], kv_caches, meta)
+
+        return forward
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -227,6 +258,8 @@ class ModelRunner:
         self._apply_older_outputs(keep_newest=not so.scheduled_spec_decode_tokens)
         step.inputs = inputs = self._prepare_inputs(so)
         step.req_ids = [s.req_id for s in inputs.requests]
+        if self.drafter is not None and inputs.sampling is not None:
+            self._attach_draft_probs(step)
         hidden = self._forward(inputs)
         if self.batch.num_prompt_logprobs:
             step.prompt_logprobs = compute_prompt_logprobs(
@@ -239,6 +272,10 @@ class ModelRunner:
             if not self._draws_on_lm_head(step):
                 # queued now, ahead of the wait for a grammar bitmask
                 step.logits = self.model.compute_logits(step.hidden)
+        if self.drafter is not None:  # the draft's KV of the same tokens
+            plan, d = inputs.plan, self.buffers.dev
+            graph = None if plan.graphs is None else (plan.graphs.name, plan.num_tokens)
+            self.drafter.forward(d.input_ids, d.positions, inputs.attn, graph)
 
     @torch.inference_mode()
     def sample_tokens(
@@ -262,9 +299,16 @@ class ModelRunner:
             result = SamplerOutput.of(drawn, verification)
         else:
             result = self.sampler(step.logits, sampling.metadata, grammar, verification)
+        drafts = None
+        if self.drafter is not None:
+            num_tokens = None if result.verified is None else result.verified.num_tokens
+            drafts = self.drafter.propose(
+                self.buffers, self.batch, [s.req_id for s in sampled_states], sampling.metadata,
+                np.cumsum(sampling.num_rows) - sampling.num_rows, result.sampled, num_tokens,
+            )  # fmt: skip
         out = AsyncModelRunnerOutput(
             step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs,
-            None if verification is None else sampling.num_rows,
+            None if verification is None else sampling.num_rows, drafts,
         )  # fmt: skip
         for j, (s, num_rows) in enumerate(zip(sampled_states, sampling.num_rows, strict=True)):
             if num_rows > 1:
@@ -286,11 +330,21 @@ class ModelRunner:
     def _draws_on_lm_head(self, step: ExecutedStep) -> bool:
         """Whether each rank draws on its slice of the vocabulary (tensor parallelism, and no
         row needs more of its logits than the best token: no gather, no sampler)."""
+        verification = step.sampling.verification
         return (
             self.tp.size > 1
             and not step.structured_req_ids
             and not step.sampling.metadata.needs_whole_rows
+            and (verification is None or verification.draft_probs is None)
         )
+
+    def _attach_draft_probs(self, step: ExecutedStep) -> None:
+        """The draft distributions of the drafts the step verifies (drawn at temperature > 0)."""
+        verification = step.sampling.verification
+        if verification is not None:
+            states = step.sampling_requests
+            temperature = self.batch.temperature[[s.row for s in states]].tolist()
+            self.drafter.attach_probs(verification, [s.req_id for s in states], temperature)
 
     def _stage_grammar(
         self, step: ExecutedStep, msg: GrammarBitmask | None, sampled: list[RequestState]
@@ -319,6 +373,8 @@ class ModelRunner:
             state = self.batch.remove(req_id)
             if state is not None:
                 self.processors.remove(state.row)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in so.scheduled_new_reqs:
             row = self.batch.add(new).row
             self.processors.add(
