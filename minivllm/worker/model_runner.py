@@ -30,8 +30,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
-from minivllm.worker.attention.cascade import use_cascade
-from minivllm.worker.cuda_graphs import RunnerGraphs
+from minivllm.worker.cuda_graphs import RunnerGraphs, static_forward
 from minivllm.worker.grammar_bitmask import GrammarBitmasks, GrammarMask
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
@@ -42,10 +41,9 @@ from minivllm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.step_inputs import (
     ExecutedStep,
-    ForwardPlan,
-    ScheduledBatch,
     StepInputs,
     order_requests,
+    plan_forward,
     prepare_sampling,
     write_in_flight,
     write_token_inputs,
@@ -111,7 +109,10 @@ class ModelRunner:
         # steps of a few short prompts (a batch-1 TTFT) replay graphs too: the Triton prefill
         # kernel's grid is fixed by the padded shape; other backends run prompts eagerly
         self.cascade = self.attn_backend_name == "triton" and not config.model.disable_cascade_attn
-        self.graphs = RunnerGraphs(max_seqs, self.cascade, self.attn_backend_name == "triton")
+        prefill_graphs = self.attn_backend_name == "triton"
+        # steps of requests verifying draft tokens replay graphs of 1 + k tokens per request
+        self.verify_width = 1 + spec.num_speculative_tokens if spec is not None else 0
+        self.graphs = RunnerGraphs(max_seqs, self.cascade, prefill_graphs, self.verify_width)
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False
         self.sampler = Sampler(config.model.logprobs_mode)
@@ -193,20 +194,21 @@ class ModelRunner:
             max_conc,
         )
         if self.use_graphs:
-            sched = self.config.scheduler
+            sched, max_len = self.config.scheduler, m.max_model_len
             with torch.inference_mode():
+                forward = static_forward(self.model, self.kv_caches, self.buffers, max_len)
                 self.graphs.capture(
-                    self._static_forward(self.model, self.kv_caches), self.buffers.dev,
-                    sched.max_num_seqs, sched.max_num_batched_tokens,
-                )  # fmt: skip
-                if self.drafter is not None:
+                    forward, self.buffers.dev, sched.max_num_seqs, sched.max_num_batched_tokens
+                )
+                if self.drafter is not None:  # its own graphs of every kind, in the same pool
                     drafter = self.drafter
-                    drafter.graphs = RunnerGraphs(
-                        sched.max_num_seqs, self.cascade, self.attn_backend_name == "triton"
+                    drafter.graphs = self.graphs.like()
+                    forward = static_forward(
+                        drafter.model, drafter.kv_caches, self.buffers, max_len
                     )
                     drafter.graphs.capture(
-                        self._static_forward(drafter.model, drafter.kv_caches), self.buffers.dev,
-                        sched.max_num_seqs, sched.max_num_batched_tokens, self.graphs.decode.pool,
+                        forward, self.buffers.dev, sched.max_num_seqs,
+                        sched.max_num_batched_tokens, self.graphs.decode.pool,
                     )  # fmt: skip
         elif self.device.type == "cuda":
             why = (
@@ -219,28 +221,6 @@ class ModelRunner:
             # fill the caching allocator with a full-size step's activations now: the first
             # long prefill steps of a run otherwise cudaMalloc them, which stalls the stream
             self.profile_run()
-
-    def _static_forward(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]):
-        """`forward(num_tokens, num_seqs, num_decodes, cascade)`: the forward of `model` (the
-        target, or the draft) over the static device buffers for a step of that shape, as a
-        graph captures it: every length is read on the device, only the shapes are fixed."""
-        d, max_len = self.buffers.dev, self.config.model.max_model_len
-
-        def forward(
-            num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
-        ) -> torch.Tensor:
-            meta = self.buffers.attention_metadata(
-                num_tokens,
-                num_seqs,
-                num_decodes,
-                max_query_len=1 if num_decodes else num_tokens,
-                max_seq_len=max_len,
-                with_host_copies=False,
-                cascade=cascade,
-            )
-            return model(d.input_ids[:num_tokens], d.positions[:num_tokens], kv_caches, meta)
-
-        return forward
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -400,7 +380,12 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's inputs, in the step buffers on the device (phases: step_inputs.py)."""
         sched = order_requests(so, self.batch)
-        plan = self._plan_forward(so, sched)
+        # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
+        compute_kv_scales = self._calculate_kv_scales and sched.num_decodes < sched.num_seqs
+        if compute_kv_scales:
+            self._calculate_kv_scales = False
+        graphs = self.graphs if self.use_graphs else None
+        plan = plan_forward(so, sched, graphs, self.cascade, self.block_size, compute_kv_scales)
         h = self.buffers.next_host()
         write_token_inputs(h, sched, plan, self.batch, self.block_size, self.buffers.on_cuda)
         sampling = prepare_sampling(sched, self.batch, self.processors, self.buffers)
@@ -421,32 +406,3 @@ class ModelRunner:
         )
         attn.compute_kv_scales = plan.compute_kv_scales
         return StepInputs(sched.requests, attn, plan, sampling)
-
-    def _plan_forward(self, so: SchedulerOutput, sched: ScheduledBatch) -> ForwardPlan:
-        """A CUDA graph replay and its padded sizes, or an eager forward."""
-        n, nd = sched.num_seqs, sched.num_decodes
-        cascade = self._cascade_prefix_len(so, sched.computed[:nd], mixed=nd < n)
-        # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
-        compute_kv_scales = self._calculate_kv_scales and nd < n
-        if compute_kv_scales:
-            self._calculate_kv_scales = False
-        graphs, num_tokens, num_seqs = None, sched.total, n
-        if self.use_graphs and not compute_kv_scales:
-            graphs, num_tokens, num_seqs = self.graphs.pick(n, nd, sched.total, bool(cascade))
-        return ForwardPlan(graphs, num_tokens, num_seqs, cascade, compute_kv_scales)
-
-    def _cascade_prefix_len(
-        self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False
-    ) -> int:
-        """Tokens at the head of every decode row's context that cascade attention should
-        read once this step (0: attend as usual). The blocks held by every running request
-        are whole, cached and computed; the prefix stops at the shortest decode context.
-        With CUDA graphs only pure-decode steps (graph replays) use it: a step with prompt
-        tokens is rare, and would compile kernel variants for its decode count mid-run."""
-        if not (self.cascade and so.num_common_prefix_blocks and len(computed)):
-            return 0
-        if mixed and self.use_graphs:
-            return 0
-        bs = self.block_size
-        prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)
-        return prefix_len if use_cascade(len(computed), prefix_len) else 0

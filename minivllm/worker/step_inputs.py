@@ -4,8 +4,8 @@
 
     order_requests      the scheduled requests, single-token ones (decodes) first, with their
                         lengths (`ScheduledBatch`, on the host);
-    _plan_forward       (the runner) a CUDA graph and its padding, or an eager forward;
-                        cascade attention; FP8 KV scales (`ForwardPlan`);
+    plan_forward        a CUDA graph and its padding, or an eager forward; cascade
+                        attention; FP8 KV scales (`ForwardPlan`);
     write_token_inputs  input ids, positions, slot mapping, query starts, sequence lengths,
                         decode order and block table rows, padding included;
     prepare_sampling    which requests sample and from which token rows (a request that
@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from minivllm.protocol.messages import SchedulerOutput
+from minivllm.worker.attention.cascade import use_cascade
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.cuda_graphs import StepGraphs
+from minivllm.worker.cuda_graphs import RunnerGraphs, StepGraphs
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.logits_processors import LogitsProcessors
 from minivllm.worker.sampler import SamplingMetadata
@@ -144,6 +145,42 @@ def order_requests(so: SchedulerOutput, batch: InputBatch) -> ScheduledBatch:
         drafts=drafts,
         total=int(so.total_num_scheduled_tokens),
     )
+
+
+def plan_forward(
+    so: SchedulerOutput,
+    sched: ScheduledBatch,
+    graphs: RunnerGraphs | None,
+    cascade: bool,
+    block_size: int,
+    compute_kv_scales: bool,
+) -> ForwardPlan:
+    """A CUDA graph replay (of `graphs`; None: no graphs) and its padded sizes, or an eager
+    forward; `cascade`: whether cascade attention may run; `compute_kv_scales`: this step
+    sets the FP8 KV scales (eagerly: a graph has none)."""
+    n, nd = sched.num_seqs, sched.num_decodes
+    prefix_len = 0
+    if cascade and so.num_common_prefix_blocks and nd and not (nd < n and graphs is not None):
+        # With graphs only pure-decode steps (replays) use it: a step with prompt tokens is
+        # rare, and would compile kernel variants for its decode count mid-run.
+        prefix_len = _cascade_prefix_len(so, sched.computed[:nd], block_size)
+    picked, num_tokens, num_seqs = None, sched.total, n
+    if graphs is not None and not compute_kv_scales:
+        max_query_len = int(sched.query_lens.max())
+        picked, num_tokens, num_seqs = graphs.pick(
+            n, nd, sched.total, bool(prefix_len), max_query_len
+        )
+    return ForwardPlan(picked, num_tokens, num_seqs, prefix_len, compute_kv_scales)
+
+
+def _cascade_prefix_len(so: SchedulerOutput, computed: np.ndarray, block_size: int) -> int:
+    """Tokens at the head of every decode row's context (their `computed` lengths) that
+    cascade attention should read once this step (0: attend as usual). The blocks held by
+    every running request are whole, cached and computed; the prefix stops at the shortest
+    decode context."""
+    bs = block_size
+    prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)
+    return prefix_len if use_cascade(len(computed), prefix_len) else 0
 
 
 def write_token_inputs(
