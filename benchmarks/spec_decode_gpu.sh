@@ -18,8 +18,9 @@ BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-B="python -m minivllm.frontend.cli bench"
-S="python benchmarks/spec_decode.py"
+PY=${PY:-python3}
+B="$PY -m minivllm.frontend.cli bench"
+S="$PY benchmarks/spec_decode.py"
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests copy copy-dummy reference self pair)
@@ -42,7 +43,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
 for step in "${STEPS[@]}"; do
     case $step in
-    tests) run tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_gpu_spec_decode.py ;;
+    tests) run tests 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_gpu_spec_decode.py ;;
     copy) run copy 150 $S copy --output-json "$OUT/copy.json" ;;
     copy-dummy) run copy-dummy 120 $S copy --geometry qwen3-0.6b --output-json "$OUT/copy_dummy.json" ;;
     reference)
