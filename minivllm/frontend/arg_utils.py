@@ -111,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 def _base_type(kind: typing.Any) -> type:
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        return args[0]
+        return _base_type(args[0])
     return typing.get_origin(kind) or kind
 
 
