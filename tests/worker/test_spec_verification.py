@@ -27,9 +27,14 @@ def chi2_threshold(df: int, z: float = 3.72) -> float:
 
 
 def assert_follows(samples: np.ndarray, probs: np.ndarray) -> None:
+    """A chi-square test of the samples (indices) against `probs`; cells expected fewer
+    than 5 times are pooled into one."""
     counts = np.bincount(samples, minlength=len(probs))
     expected = probs * len(samples)
     assert counts[expected == 0].sum() == 0, "a token of probability 0 was drawn"
+    small = (expected > 0) & (expected < 5)
+    counts = np.append(counts[expected >= 5], counts[small].sum())
+    expected = np.append(expected[expected >= 5], expected[small].sum())
     cells = expected > 0
     chi2 = float(((counts[cells] - expected[cells]) ** 2 / expected[cells]).sum())
     assert chi2 < chi2_threshold(int(cells.sum()) - 1), (chi2, counts, expected.round())

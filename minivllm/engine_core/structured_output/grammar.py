@@ -103,17 +103,11 @@ class GrammarCompiler:
         except Exception as e:
             raise ValueError(f"the grammar does not compile: {describe_error(e)}") from None
 
-    def matcher(
-        self, compiled: Any, stop_token_ids: list[int] | None, max_rollback_tokens: int = 0
-    ) -> Any:
+    def matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> Any:
         """A fresh matcher at the start of `compiled`; `stop_token_ids` end the grammar (the
-        tokenizer's EOS when None); it can step back `max_rollback_tokens` tokens (the draft
+        tokenizer's EOS when None). It can step back over any number of tokens (the draft
         tokens of speculative decoding)."""
-        return xgrammar().GrammarMatcher(
-            compiled,
-            override_stop_tokens=stop_token_ids or None,
-            max_rollback_tokens=max_rollback_tokens,
-        )
+        return xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 
 def unsupported_json_feature(schema: Any) -> str | None:

@@ -105,7 +105,6 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_rows = max_num_seqs * (1 + max_spec_tokens)
-        self.max_spec_tokens = max_spec_tokens
         self.num_words = -(-vocab_size // 32)
         # two compile threads (one slow grammar leaves the other for the rest), at a lower
         # CPU priority than the busy loop, as are the threads xgrammar starts from them
@@ -185,9 +184,7 @@ class StructuredOutputManager:
                 del self.waiting[req_id]
                 try:
                     compiled = state.grammar.result()
-                    state.matcher = self._compiler.result().matcher(
-                        compiled, state.stop_token_ids, self.max_spec_tokens
-                    )
+                    state.matcher = self._compiler.result().matcher(compiled, state.stop_token_ids)
                 except Exception as e:
                     self._grammars.pop(state.spec, None)  # a later request may try again
                     failed.append((req_id, f"structured_outputs: {e}"))
