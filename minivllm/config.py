@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults
+from minivllm import generation_defaults, rope_config
 from minivllm.devices import check_gpu_sharing, resolve_device
 from minivllm.gguf_file import gguf_hf_config, is_gguf_path
 from minivllm.speculative_config import (
@@ -88,6 +88,31 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of each sparse MLP (Qwen3-MoE's num_experts, Mixtral's
+        num_local_experts); 0 for a dense model."""
+        hf = self.hf_config
+        return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return int(self.hf_config.get("num_experts_per_tok") or 0)
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Each expert's intermediate size (Mixtral's experts have the dense one)."""
+        hf = self.hf_config
+        return int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a sparse MLP: every decoder_sparse_step-th layer
+        (1: all) except those in mlp_only_layers (Qwen3-MoE's knobs; Mixtral sets neither)."""
+        hf = self.hf_config
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = hf.get("mlp_only_layers") or ()
+        return self.num_experts > 0 and layer_idx not in dense and (layer_idx + 1) % step == 0
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -112,6 +137,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     max_model_len: int
     async_scheduling: bool
+    # LongRoPE (Phi-3's long variants): a sequence longer than this is rotated with the long
+    # factors, every token of it, so its KV differs from a shorter sequence's of the same
+    # tokens: its blocks hash apart, and a sequence that grows past it is computed again
+    # (rope_config.long_rope_threshold; None: no such switch)
+    long_rope_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,9 @@ class ParallelConfig:
     # seconds a step's results may take before the engine is declared dead (None: no limit);
     # the first step, which compiles and captures, has none
     execute_timeout: float | None = None
+    # mixtures of experts: each rank holds E / tensor_parallel_size whole experts, rather
+    # than every expert sliced along its intermediate dimension
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -195,6 +228,24 @@ def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config
     return cls(**{name: getattr(args, name) for name in names}, **resolved)
 
 
+def check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
+    """A mixture of experts splits over the ranks by whole experts (expert parallelism) or
+    by each expert's intermediate dimension: either must divide evenly."""
+    if not model.num_experts or tp == 1:
+        return
+    if expert_parallel and model.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number of "
+            f"experts ({model.num_experts})"
+        )
+    if not expert_parallel and model.moe_intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
+            f"({model.moe_intermediate_size}); enable_expert_parallel places whole experts "
+            "instead"
+        )
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine, with vLLM's argument names and defaults."""
@@ -218,6 +269,7 @@ class EngineArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     device: str = "auto"
     skip_tokenizer_init: bool = False
@@ -327,14 +379,16 @@ class EngineArgs:
             dtype = "float32" if device == "cpu" else torch_dtype
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
-        derived_max = int(hf_config.get("max_position_embeddings") or 2048)
+        derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
+            scaled = derived_max != rope_config.max_position_embeddings(hf_config)
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({derived_max})"
+                + ("context with its rope scaling" if scaled else "max_position_embeddings")
+                + f" ({derived_max})"
             )
-        return _from_args(
+        model_cfg = _from_args(
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
@@ -345,6 +399,11 @@ class EngineArgs:
             eos_token_ids=_eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
         )
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
+        )
+        return model_cfg
 
     def create_engine_config(self) -> EngineConfig:
         """Read the model directory and resolve every default into frozen configs."""
@@ -371,6 +430,7 @@ class EngineArgs:
                 f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
                 "one another"
             )
+        check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
         if device == "cuda" and self.distributed_executor_backend != "ray":
             check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
         kv_bytes = self.kv_cache_memory_bytes
@@ -384,6 +444,9 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
+                long_rope_threshold=rope_config.long_rope_threshold(
+                    model_cfg.hf_config, max_model_len
+                ),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None

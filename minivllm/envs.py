@@ -8,7 +8,7 @@ the variable.
 
 | variable                         | default | meaning                                            |
 |----------------------------------|---------|----------------------------------------------------|
-| MINIVLLM_LOG_LEVEL               | INFO    | logging level of the CLI, engine-core and workers  |
+| MINIVLLM_LOG_LEVEL               | INFO    | logging level of every process (the library's own logger in a caller's process) |
 | MINIVLLM_STARTUP_TIMEOUT         | 900     | seconds an engine-core or its workers may take to start |
 | MINIVLLM_CLIENT_TIMEOUT          | 10      | seconds of silence after which a client is gone and its requests are aborted |
 | MINIVLLM_STEP_TRACE              | unset   | FILE: the engine-core writes one JSON line per step there at shutdown |

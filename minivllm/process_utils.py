@@ -1,8 +1,12 @@
-"""Process lifecycle: children that die with their parent, and bounded shutdowns.
+"""Process lifecycle: children that die with their parent, owners that stop what they
+started, run directories that go with their process, and bounded shutdowns.
 
-Every child gets two guards: `PR_SET_PDEATHSIG` (the kernel kills it when its parent dies)
-and a death pipe (its read end reaches EOF when the parent dies, for platforms without
+Every child gets two guards: `PR_SET_PDEATHSIG` (the kernel signals it when its parent
+dies) and a death pipe (its read end reaches EOF when the parent dies, for platforms without
 prctl and for a parent that exits without dying). Parents watch their children's sentinels.
+Children start with SIGINT ignored: a terminal's Ctrl-C reaches the whole process group,
+and the process that owns a child decides when it stops (a child that wants SIGINT, a
+daemon, installs its own handler).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import ctypes
 import gc
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -30,17 +36,23 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(death_pipe: Connection | None) -> None:
-    """Call first thing in a child: the kernel and a watcher thread both end us with the parent."""
+def die_with_parent(
+    death_pipe: Connection | None, signum: int = signal.SIGKILL, grace_s: float = 10.0
+) -> None:
+    """Call first thing in a child: the kernel and a watcher thread both send us `signum`
+    when the parent dies. A catchable `signum` (SIGTERM) lets the child clean up what a
+    parent killed by SIGKILL could not; `grace_s` after it the watcher ends the process."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(_PR_SET_PDEATHSIG, signum)
     if death_pipe is not None:
 
         def watch() -> None:
             with contextlib.suppress(Exception):
                 death_pipe.recv_bytes()  # blocks until the parent's end closes
+            os.kill(os.getpid(), signum)
+            time.sleep(grace_s)
             os._exit(1)
 
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -63,10 +75,44 @@ def spawn(
         name=name,
         daemon=False,
     )
-    proc.start()
+    with _sigint_ignored():  # inherited: the child starts deaf to a terminal's Ctrl-C
+        proc.start()
     ready_w.close()
     death_r.close()
     return proc, ready_r, death_w
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while a child starts: an ignored signal stays ignored across exec, and
+    Python then installs no KeyboardInterrupt handler of its own. (A Ctrl-C in these few
+    milliseconds is lost.) Only the main thread can change handlers: elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# Exit priorities of `on_release`: an owner closes its clients before the processes behind
+# them are stopped.
+OWNER_PRIORITY = 20
+PROCESS_PRIORITY = 10
+
+
+def on_release(
+    owner: object, callback: Callable[..., None], *args: Any, priority: int = OWNER_PRIORITY
+) -> Callable[[], None]:
+    """Arrange `callback(*args)` to run once: when the returned function is called, when
+    `owner` is garbage-collected, or at interpreter exit, whichever comes first. The exit
+    run comes before multiprocessing's own exit handler joins the children that are not
+    daemons (an engine-core that nothing stopped would be waited for forever), higher
+    priorities first. `callback` and `args` must not refer to `owner`, or it is never
+    collected."""
+    return multiprocessing.util.Finalize(owner, callback, args, exitpriority=priority)
 
 
 def terminate(procs: list[BaseProcess], timeout: float = 5.0) -> None:
@@ -86,18 +132,39 @@ def terminate(procs: list[BaseProcess], timeout: float = 5.0) -> None:
             p.join(1.0)
 
 
+_RUN_DIR = re.compile(r"minivllm-[a-z]+-(\d+)-")
+
+
 def private_ipc_dir(role: str) -> str:
-    """A fresh 0700 directory for this process's ipc sockets, named after its pid, after
-    removing those left by processes of the same role that died without cleaning up
-    (SIGKILL, or a parent's death taking them down)."""
-    prefix = f"minivllm-{role}-"
+    """A fresh 0700 run directory for this process's ipc sockets, named after its role and
+    pid, after removing those of processes that died without cleaning up (SIGKILL, or a
+    parent's death taking them down)."""
+    for path, pid in _run_dirs():
+        if not _pid_alive(pid):
+            transport.cleanup_ipc(path)
+    return transport.make_ipc_dir(f"minivllm-{role}-{os.getpid()}-")
+
+
+def remove_run_dirs_of(pid: int) -> None:
+    """Remove the run directories of process `pid`, which has ended (a killed engine-core's
+    workers directory, say)."""
+    for path, owner in _run_dirs():
+        if owner == pid:
+            transport.cleanup_ipc(path)
+
+
+def _run_dirs() -> list[tuple[str, int]]:
+    """(path, pid of its process) of every run directory in the temporary directory."""
     base = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(base):
-            pid = name[len(prefix) :].split("-", 1)[0]
-            if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
-                transport.cleanup_ipc(os.path.join(base, name))
-    return transport.make_ipc_dir(f"{prefix}{os.getpid()}-")
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    return [
+        (os.path.join(base, name), int(m.group(1)))
+        for name in names
+        if (m := _RUN_DIR.match(name)) is not None
+    ]
 
 
 def _pid_alive(pid: int) -> bool:

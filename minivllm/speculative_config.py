@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from minivllm import rope_config
+
 if TYPE_CHECKING:
     from minivllm.config import EngineArgs, ModelConfig
 
@@ -110,6 +112,7 @@ def resolve_speculative_config(
 
 def _draft_model_config(model: str, args: EngineArgs, target: ModelConfig) -> ModelConfig:
     from minivllm.config import EngineArgs as Args
+    from minivllm.config import check_moe_sharding
 
     if not os.path.exists(model):
         raise ValueError(f"speculative_config.model: no such directory or file: {model!r}")
@@ -135,15 +138,27 @@ def _draft_model_config(model: str, args: EngineArgs, target: ModelConfig) -> Mo
             f"tokens) differs from the target's ({target.vocab_size}); a draft model must "
             "share the target's tokenizer"
         )
-    context = int(hf_config.get("max_position_embeddings") or 2048)
+    context = rope_config.max_len_with_scaling(hf_config)
     if context < target.max_model_len:
         raise ValueError(
             f"speculative_config.model: the draft's context ({context} tokens) is shorter "
             f"than max_model_len ({target.max_model_len}); lower max_model_len"
         )
-    draft_args.max_model_len = target.max_model_len
+    max_len = draft_args.max_model_len = target.max_model_len
+    # the workers place LongRoPE's long rows by the target's switch, for the draft as well
+    draft_switch = rope_config.long_rope_threshold(hf_config, max_len)
+    target_switch = rope_config.long_rope_threshold(target.hf_config, max_len)
+    if draft_switch != target_switch:
+        raise ValueError(
+            "speculative_config.model: the draft switches to LongRoPE's long factors past "
+            f"{draft_switch} tokens, the target past {target_switch}; they must agree"
+        )
     tp = args.tensor_parallel_size
-    config = draft_args.model_config(hf_config)
+    try:
+        config = draft_args.model_config(hf_config)
+        check_moe_sharding(config, tp, args.enable_expert_parallel)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
     if config.num_attention_heads % tp or (config.num_kv_heads % tp and tp % config.num_kv_heads):
         raise ValueError(
             f"speculative_config.model: tensor_parallel_size ({tp}) must divide the draft's "

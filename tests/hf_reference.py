@@ -17,6 +17,17 @@ def parity_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def longrope_prompts(original_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts about a LongRoPE checkpoint's original length (its switch to the long
+    factors): below it, growing past it while 12 tokens are generated, and past it from the
+    start. The long ones share prefixes with short ones, whose cached blocks (rotated with
+    the short factors) they must not reuse."""
+    rng = random.Random(seed)
+    base = [rng.randint(1, 300) for _ in range(original_len + 26)]
+    lengths = (12, 40, original_len - 8, original_len - 1, original_len, original_len + 1)
+    return [base[:n] for n in (*lengths, original_len + 16, len(base))] + [[7, *base[:70]]]
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
@@ -25,7 +36,14 @@ def _hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Token ids transformers' `generate` picks greedily, EOS ignored."""
+    """Token ids transformers' `generate` picks greedily, EOS ignored as `ignore_eos` does:
+    picked like any token and not an end (`min_new_tokens` would forbid it instead)."""
+    outs = _hf_greedy(path, tuple(tuple(p) for p in prompts), max_new_tokens)
+    return [list(o) for o in outs]
+
+
+@functools.lru_cache(maxsize=32)  # several tests compare against the same generations
+def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int) -> tuple:
     model = _hf_model(path)
     outs = []
     with torch.no_grad():
@@ -33,12 +51,12 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             out = model.generate(
                 torch.tensor([p]),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
             )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
+            outs.append(tuple(out[0, len(p) :].tolist()))
+    return tuple(outs)
 
 
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:

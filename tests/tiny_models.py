@@ -53,6 +53,17 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+# the mixtures' expert geometry unless a test sets its own: top-4 of 16 experts for Qwen3-MoE,
+# Mixtral's top-2 of 8
+_MOE_DEFAULTS: dict[str, dict[str, object]] = {
+    "qwen3_moe": dict(
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -74,7 +85,8 @@ def build_checkpoint(
     **extra_config: object,
 ) -> str:
     """Save a random tiny model of `arch` (plus tokenizer and generation config) to out_dir;
-    `extra_config` goes into its config (e.g. Llama's attention_bias)."""
+    `extra_config` goes into its config (e.g. Llama's attention_bias, `rope_scaling`, Phi-3's
+    partial_rotary_factor). Phi-3 has no head_dim: hidden_size / num_heads."""
     import transformers
 
     config_cls_name, model_cls_name = _ARCHS[arch]
@@ -95,11 +107,17 @@ def build_checkpoint(
         bos_token_id=None,
         pad_token_id=0,
     )
-    if arch in ("qwen3", "llama", "mistral"):
+    if arch in (
+        "qwen3",
+        "llama",
+        "mistral",
+        "qwen3_moe",
+        "mixtral",
+    ):  # Phi-3: hidden_size / num_heads
         kwargs["head_dim"] = head_dim
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
-    config = config_cls(**kwargs, **extra_config)
+    config = config_cls(**kwargs, **{**_MOE_DEFAULTS.get(arch, {}), **extra_config})
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -115,6 +133,21 @@ def build_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos_token_ids if eos_token_ids is not None else [0]}, f)
     return out_dir
+
+
+LONGROPE_ORIGINAL_LEN = 64  # where the tiny LongRoPE checkpoint switches to its long factors
+
+
+def longrope_scaling(rotary_dim: int, seed: int) -> dict[str, object]:
+    """Phi-3's LongRoPE rope_scaling with random factors: short ones near 1, long ones far
+    from them, so that rotating with the wrong set changes the tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    n = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": (1 + 0.5 * torch.rand(n, generator=gen)).tolist(),
+        "long_factor": (1 + 7 * torch.rand(n, generator=gen)).tolist(),
+    }
 
 
 def build_null_checkpoint(out_dir: str, **extra_config: object) -> str:

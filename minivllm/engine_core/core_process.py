@@ -10,6 +10,7 @@ input queue only when it has no work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,6 +29,7 @@ import zmq
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.engine_core import EngineCore
+from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import auth, transport
 from minivllm.protocol.auth import CurveServerKeys
@@ -83,7 +86,11 @@ class EngineCoreProc:
         self.output_sock, self.output_address = transport.bind_socket(
             self.ctx, zmq.ROUTER, output_address, max_message_bytes=MAX_CONTROL_BYTES, curve=curve
         )
-        self.engine_core = EngineCore(config)
+        try:
+            self.engine_core = EngineCore(config)
+        except BaseException:
+            self._close_sockets(linger_ms=0)
+            raise
         self.input_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.stop_reason: str | None = None
@@ -160,12 +167,17 @@ class EngineCoreProc:
         try:
             self.engine_core.shutdown()
         finally:
-            self.input_sock.close(linger=0)
             # the bounded linger lets the death notice above reach the clients
-            self.output_sock.close()
-            if self.authenticator is not None:
-                self.authenticator.stop()
-            self.ctx.term()
+            self._close_sockets(linger_ms=None)
+
+    def _close_sockets(self, linger_ms: int | None) -> None:
+        """Close both sockets (the output one with `linger_ms`; None: its own bounded one)
+        and the context."""
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=linger_ms)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.term()
 
     # ------------------------------------------------------------------ I/O threads
 
@@ -302,39 +314,78 @@ def run_engine_core(
     daemon: bool = False,
     curve: CurveServerKeys | None = None,
     tokenizer_files: list[TokenizerFile] | None = None,
+    run_dir: str | None = None,
 ) -> None:
-    """Process entry point. A spawned engine-core dies with its frontend; a daemon does not.
-    With `curve`, only clients holding authorized keys get through (see protocol/auth.py);
+    """Process entry point. A spawned engine-core stops on SIGTERM, which its frontend sends
+    (or the kernel, when the frontend dies), and ignores SIGINT: its frontend decides what a
+    Ctrl-C means. A daemon stops on either. `run_dir`: a directory to remove at exit (the
+    spawner's, holding the sockets: a spawner killed by SIGKILL cannot remove it). With
+    `curve`, only clients holding authorized keys get through (see protocol/auth.py);
     `tokenizer_files` go to clients that ask (a daemon's)."""
     if not daemon:
-        die_with_parent(death_pipe)
-    logging.basicConfig(
-        level=envs.log_level(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+        die_with_parent(death_pipe, signal.SIGTERM)
+    configure_process_logging()
+
+    def make() -> EngineCoreProc:
+        return EngineCoreProc(config, input_address, output_address, curve, tokenizer_files)
+
+    try:
+        code = _serve(make, ready_pipe, daemon)
+    finally:
+        if run_dir is not None:
+            transport.cleanup_ipc(run_dir)
+    raise SystemExit(code)
+
+
+def _serve(make: Callable[[], EngineCoreProc], ready_pipe: Connection | None, daemon: bool) -> int:
+    """Start the engine-core (`make`) and run it until it stops; the process's exit code."""
     proc: EngineCoreProc | None = None
+    stopped_by: list[int] = []
+    # a daemon's operator wants to hear why it stopped; a spawned one's frontend asked for it
+    stop_level = logging.INFO if daemon else logging.DEBUG
 
     def on_signal(signum: int, _frame: Any) -> None:
+        stopped_by.append(signum)
         if proc is not None:
             proc.stop_reason = f"engine-core stopped by {signal.Signals(signum).name}"
-        else:
-            raise SystemExit(128 + signum)
+        elif len(stopped_by) == 1:  # only the first one interrupts the start-up
+            raise _Interrupted(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGINT, on_signal if daemon else signal.SIG_IGN)
     try:
-        proc = EngineCoreProc(config, input_address, output_address, curve, tokenizer_files)
+        proc = make()
     except BaseException as e:
-        cause = "".join(traceback.format_exception_only(type(e), e)).strip()
-        error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
-        logger.error("%s\n%s", error, traceback.format_exc())
-        if ready_pipe is not None:
-            ready_pipe.send_bytes(msgspec.msgpack.encode(EngineCoreInfo(error=error)))
-        raise SystemExit(1) from None
-    if ready_pipe is not None:
-        ready_pipe.send_bytes(msgspec.msgpack.encode(proc.info()))
-        ready_pipe.close()
+        if stopped_by:
+            error = f"engine-core stopped by {signal.Signals(stopped_by[0]).name} while starting"
+            logger.log(stop_level, "%s", error)
+        else:
+            cause = "".join(traceback.format_exception_only(type(e), e)).strip()
+            error = f"engine-core (pid {os.getpid()}) failed to start: {cause}"
+            logger.error("%s\n%s", error, traceback.format_exc())
+        _report_ready(ready_pipe, EngineCoreInfo(error=error))
+        return 128 + stopped_by[0] if stopped_by else 1
+    _report_ready(ready_pipe, proc.info())
     logger.info(
         "engine-core listening on %s (outputs on %s)", proc.input_address, proc.output_address
     )
-    raise SystemExit(proc.run())
+    code = proc.run()
+    if stopped_by:
+        logger.log(stop_level, "%s", proc.stop_reason)
+        if stopped_by[0] == signal.SIGINT:
+            return 128 + signal.SIGINT
+    return code
+
+
+class _Interrupted(BaseException):
+    """A stopping signal while the engine-core starts: unwinds the start-up (which stops
+    the workers already started) without a traceback."""
+
+
+def _report_ready(ready_pipe: Connection | None, info: EngineCoreInfo) -> None:
+    """Tell the spawner how the start went; a spawner that is gone hears nothing."""
+    if ready_pipe is None:
+        return
+    with contextlib.suppress(OSError):
+        ready_pipe.send_bytes(msgspec.msgpack.encode(info))
+    ready_pipe.close()

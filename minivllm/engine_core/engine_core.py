@@ -63,22 +63,25 @@ class EngineCore:
         executor_class = executor_class or _executor_class(config)
         start = time.monotonic()
         self.executor = executor_class(config)
-        self.num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_blocks, config.speculative
-        )
-        # steps launched but not yet applied: at most one in flight with async scheduling
-        self.batch_queue: deque[_InFlight] = deque()
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
-        self.trace = StepTrace()
-        model = config.model
-        spec = config.speculative
-        self.structured = StructuredOutputManager(
-            None if model.skip_tokenizer_init else model.tokenizer,
-            model.vocab_size,
-            config.scheduler.max_num_seqs,
-            0 if spec is None else spec.num_speculative_tokens,
-        )
+        try:
+            self.num_blocks = self.executor.num_blocks
+            self.scheduler = Scheduler(
+                config.scheduler, config.cache, self.num_blocks, config.speculative
+            )
+            # steps launched but not yet applied: at most one in flight with async scheduling
+            self.batch_queue: deque[_InFlight] = deque()
+            self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+            self.trace = StepTrace()
+            model, spec = config.model, config.speculative
+            self.structured = StructuredOutputManager(
+                None if model.skip_tokenizer_init else model.tokenizer,
+                model.vocab_size,
+                config.scheduler.max_num_seqs,
+                0 if spec is None else spec.num_speculative_tokens,
+            )
+        except BaseException:  # the workers are up: they must not outlive a failed start
+            self.executor.shutdown()
+            raise
         # requests refused at arrival (or whose grammar failed), answered with an error
         # output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}

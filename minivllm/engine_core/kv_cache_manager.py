@@ -3,8 +3,9 @@
 Prefix-cache contract:
 - A block is identified by a chained hash: sha256 over (parent block's hash, the token ids
   of this FULL block). Equal hashes mean equal token prefixes, so equal KV. Partial blocks
-  are never cached. Hashes are kept on the request (`Request.block_hashes`) and extended
-  incrementally as tokens arrive.
+  are never cached. A LongRoPE sequence past its threshold (`Request.long_rope`) has other
+  KV for the same tokens: its chain starts from another root. Hashes are kept on the
+  request (`Request.block_hashes`) and extended incrementally as tokens arrive.
 - `get_computed_blocks` finds the longest cached prefix of a request but never its whole
   token list: the last token is always computed, because the step that computes it is the
   one that samples the next token.
@@ -30,6 +31,7 @@ from minivllm.engine_core.block_pool import BlockPool, KVCacheBlock
 from minivllm.engine_core.request import Request
 
 _ROOT_HASH = b""
+_LONG_ROPE_ROOT_HASH = b"long_rope"
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -163,5 +165,6 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            root = _LONG_ROPE_ROOT_HASH if request.long_rope else _ROOT_HASH
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, tokens[start : start + size]))

@@ -267,7 +267,8 @@ class MultiprocExecutor(Executor):
         if getattr(self, "_shut", False):
             return
         self._shut = True
-        graceful = self._dead is None and bool(self.step_socks)
+        # workers still starting may not even listen yet: a shutdown message would wait
+        graceful = self._dead is None and hasattr(self, "num_blocks")
         if graceful:
             with contextlib.suppress(zmq.ZMQError, EngineDeadError):
                 self._broadcast(ShutdownWorker())

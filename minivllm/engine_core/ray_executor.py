@@ -27,6 +27,7 @@ from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.exceptions import EngineStartupError
+from minivllm.logging_utils import configure_process_logging
 from minivllm.protocol import transport
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class RayWorker:
 
         from minivllm.worker.worker_process import serve
 
-        logging.basicConfig(level=envs.log_level())
+        configure_process_logging(f"worker-rank{rank}")
         engine_config = msgspec.msgpack.decode(config, type=EngineConfig)
         host = ray.util.get_node_ip_address()
         serve(engine_config, rank, step_address, result_address, store_host=host)

@@ -92,6 +92,9 @@ class Request:
             sample_seed = sampling_params.seed
         self.sample_seed = sample_seed if sample_seed is not None else derive_seed(0, request_id)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, see KVCacheManager
+        # rotated with LongRoPE's long factors (SchedulerConfig.long_rope_threshold): set when
+        # it is scheduled from the waiting queue; its blocks hash apart
+        self.long_rope = False
         # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
         self.structured_output = None
         self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output

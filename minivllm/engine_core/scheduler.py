@@ -5,6 +5,12 @@ compute, and a step hands out at most `max_num_batched_tokens` of them (a long p
 split across steps: chunked prefill). When KV blocks run out, the newest running request is
 preempted (its KV freed, to be recomputed later) and goes back to the front of the queue.
 
+LongRoPE (`long_rope_threshold`): a sequence longer than the threshold is rotated with the
+long factors, every token of it, as transformers does. Whether a request is long is settled
+each time it is scheduled from the waiting queue, by its length then (the workers decide the
+same way, from the tokens they are sent); one that grows past the threshold while it runs is
+preempted, to be computed again, long, as transformers recomputes it.
+
 Async scheduling: `schedule()` for step N+1 may run before `update_from_output()` for step
 N (at most one step in flight). A request's tokens are counted as
 `num_tokens + num_output_placeholders`, the placeholders being tokens that scheduled steps
@@ -236,10 +242,13 @@ class Scheduler:
             if placeholders and num_pending >= request.max_num_tokens:
                 continue  # the token in flight ends it by length: nothing more to compute
             num_known = num_pending - num_computed
-            num_new = min(
-                num_known + len(request.spec_token_ids), step.budget, max_len - num_computed
-            )
+            num_drafts = self._drafts_that_fit(request, num_computed + num_known)
+            num_new = min(num_known + num_drafts, step.budget, max_len - num_computed)
             if num_new <= 0:
+                continue
+            if self._outgrows_short_rope(request, num_computed + num_new):
+                i -= 1
+                self._preempt(running.pop(i))
                 continue
             lookahead = min(self.lookahead, max_len - num_computed - num_new)
             while (
@@ -269,6 +278,7 @@ class Scheduler:
             if request.structured_output is not None and request.structured_output.matcher is None:
                 compiling.append(waiting.popleft())
                 continue
+            self._settle_long_rope(request)
             if needs_prompt_logprobs(request):
                 hit_blocks, num_hit = [], 0
             else:
@@ -362,6 +372,27 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def _outgrows_short_rope(self, request: Request, num_tokens: int) -> bool:
+        threshold = self.config.long_rope_threshold
+        return threshold is not None and not request.long_rope and num_tokens > threshold
+
+    def _drafts_that_fit(self, request: Request, num_tokens: int) -> int:
+        """How many of its drafts a request after `num_tokens` known tokens has verified: a
+        short LongRoPE sequence takes none past the threshold, whose KV would be rotated
+        short (its known tokens crossing it preempt it, as without drafts)."""
+        num_drafts = len(request.spec_token_ids)
+        threshold = self.config.long_rope_threshold
+        if threshold is None or request.long_rope:
+            return num_drafts
+        return max(0, min(num_drafts, threshold - num_tokens))
+
+    def _settle_long_rope(self, request: Request) -> None:
+        """Mark a request about to be scheduled from the waiting queue long if it is longer
+        than the LongRoPE threshold (its block hashes start again, from the long root)."""
+        if self._outgrows_short_rope(request, request.num_tokens):
+            request.long_rope = True
+            request.block_hashes = []
 
     def _preempt(self, request: Request) -> None:
         if not request.num_output_placeholders:  # else its last prompt chunk is in flight

@@ -43,6 +43,8 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
+    "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
     "GGUF file's tensors, dequantized at load; dummy: random weights of its shape",
     "device": "auto: CUDA when there is a GPU, else the CPU",
@@ -57,7 +59,7 @@ HELP = {
     "(processed) penalties, bias and temperature",
     "hf_overrides": "JSON object merged over the model's config.json",
     "trust_remote_code": "accepted for vLLM's command lines; no remote code is ever run: "
-    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral) load",
+    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral) load",
     "revision": "refused with an error: models load from local directories, which have no "
     "revisions",
     "quantization": "weight quantization; supported: "

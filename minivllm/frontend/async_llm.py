@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncGenerator
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
@@ -17,8 +18,9 @@ from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
-from minivllm.protocol.messages import UtilityMethod
+from minivllm.protocol.messages import EngineCoreOutputs, UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,11 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """Spawns its own engine-core(s) (`from_engine_args`; `data_parallel_size` of them) or
     attaches to one or several daemons (`connect`). With `stat_loggers`, request timings and
-    scheduler stats are fed to them (metrics/)."""
+    scheduler stats are fed to them (metrics/).
+
+    The engine it spawned stops, or the daemons it attached to are left, on `shutdown()`, on
+    leaving `async with`, when nothing refers to the AsyncLLM any more, or at interpreter
+    exit: a script that never calls `shutdown()` still ends."""
 
     def __init__(
         self,
@@ -37,16 +43,21 @@ class AsyncLLM:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`)."""
-        self.model_config = model_config
         self.client = client
-        self.stats = StatsCollector(stat_loggers) if stat_loggers else None
-        if tokenizer is None and not model_config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(model_config.tokenizer)
-        self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self._tasks: list[asyncio.Task] = []  # the output handler, once started
+        self._release = on_release(self, _shutdown, client, self._tasks)
+        try:
+            self.model_config = model_config
+            self.stats = StatsCollector(stat_loggers) if stat_loggers else None
+            if tokenizer is None and not model_config.skip_tokenizer_init:
+                tokenizer = load_tokenizer(model_config.tokenizer)
+            self.tokenizer = tokenizer
+            self.input_processor = InputProcessor(model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            self._release()
+            raise
         self._queues: dict[str, RequestOutputCollector] = {}  # by user request id
-        self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
         # No gc.freeze() here: this is the caller's process. A service that streams a lot
         # may call process_utils.freeze_startup_heap() itself once it has started.
@@ -137,38 +148,39 @@ class AsyncLLM:
             task.add_done_callback(_log_failure)
 
     def _ensure_handler(self) -> None:
-        if self._handler is None or self._handler.done():
-            self._handler = asyncio.create_task(self._output_handler(), name="output-handler")
+        if not self._tasks or self._tasks[0].done():
+            # the task holds this object only while it handles a batch, so an AsyncLLM that
+            # nobody refers to is collected (and its engine stopped) though the task waits
+            handler = _output_handler(weakref.ref(self), self.client)
+            self._tasks[:] = [asyncio.create_task(handler, name="output-handler")]
 
-    async def _output_handler(self) -> None:
-        """Process each step's outputs; the output processor puts them into the queues of
+    async def _handle(self, outputs: EngineCoreOutputs) -> None:
+        """Process one step's outputs: the output processor puts them into the queues of
         the requests they belong to, errors are raised into them here."""
-        try:
-            while True:
-                try:
-                    outputs = await self.client.get_output_async()
-                except EngineCoreDeadError as e:  # one of several cores: its requests only
-                    for request_id in self.output_processor.forget_lost(e.request_ids):
-                        queue = self._queues.get(request_id)
-                        if queue is not None:
-                            queue.put(e)
-                    continue
-                processed = self.output_processor.process_outputs(outputs.outputs)
-                if self.stats is not None:
-                    self.stats.record(outputs, processed.reqs_to_abort)
-                for request_id, error in processed.errors.items():
-                    queue = self._queues.get(request_id)
-                    if queue is not None:
-                        queue.put(ValueError(f"request {request_id} failed: {error}"))
-                if processed.reqs_to_abort:
-                    await self.client.abort_requests_async(processed.reqs_to_abort)
-        except Exception as e:  # cancellation (a BaseException) passes
-            if not isinstance(e, EngineDeadError):  # a bug here must not leave callers hanging
-                logger.exception("output handler failed")
-                e = EngineDeadError(f"the frontend's output handler failed: {e}")
-            self.dead = e
-            for queue in self._queues.values():
-                queue.put(e)
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if self.stats is not None:
+            self.stats.record(outputs, processed.reqs_to_abort)
+        for request_id, error in processed.errors.items():
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put(ValueError(f"request {request_id} failed: {error}"))
+        if processed.reqs_to_abort:
+            await self.client.abort_requests_async(processed.reqs_to_abort)
+
+    def _lost(self, error: EngineCoreDeadError) -> None:
+        """One of several cores died: its requests end with `error`."""
+        for request_id in self.output_processor.forget_lost(error.request_ids):
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put(error)
+
+    def _fail(self, error: Exception) -> None:
+        if not isinstance(error, EngineDeadError):  # a bug here must not leave callers hanging
+            logger.error("output handler failed", exc_info=error)
+            error = EngineDeadError(f"the frontend's output handler failed: {error}")
+        self.dead = error
+        for queue in self._queues.values():
+            queue.put(error)
 
     def do_log_stats(self) -> None:
         """Have the stat loggers report (the periodic log line)."""
@@ -187,13 +199,44 @@ class AsyncLLM:
         await self.client.call_utility_async(UtilityMethod.HEALTH)
 
     def shutdown(self) -> None:
-        if self._handler is not None:
-            self._handler.cancel()
-        self.client.shutdown()
+        """Stop the engine this AsyncLLM spawned, or detach from the daemons it attached to."""
+        self._release()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client.shutdown()
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+async def _output_handler(
+    ref: weakref.ref[AsyncLLM], client: AsyncMPClient | DPAsyncClient
+) -> None:
+    """Hand each step's outputs to the AsyncLLM behind `ref`, for as long as it lives."""
+    try:
+        while True:
+            try:
+                outputs: EngineCoreOutputs | EngineCoreDeadError = await client.get_output_async()
+            except EngineCoreDeadError as e:  # one of several cores: its requests only
+                outputs = e
+            llm = ref()
+            if llm is None:
+                return
+            if isinstance(outputs, EngineCoreDeadError):
+                llm._lost(outputs)
+            else:
+                await llm._handle(outputs)
+            llm = None  # not held while waiting for the next outputs
+    except Exception as e:  # cancellation (a BaseException) passes
+        if (llm := ref()) is not None:
+            llm._fail(e)
+
+
+def _shutdown(client: AsyncMPClient | DPAsyncClient, tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: it is gone too
+            task.cancel()
+    client.shutdown()
 
 
 def _log_failure(task: asyncio.Future) -> None:

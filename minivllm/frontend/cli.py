@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import signal
 import sys
-
-from minivllm import envs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +20,11 @@ def main(argv: list[str] | None = None) -> None:
     add_serve_parser(sub)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # what was started stops as the interpreter exits
+        print(f"minivllm {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 def version() -> str:
@@ -112,10 +114,11 @@ def _run_engine_core(args: argparse.Namespace) -> None:
     from minivllm.engine_core.core_process import run_engine_core
     from minivllm.frontend import handshake_model
     from minivllm.frontend.arg_utils import absolute_paths, engine_args_from
+    from minivllm.logging_utils import configure_process_logging
     from minivllm.protocol import transport
     from minivllm.protocol.auth import CurveServerKeys, check_listen_address
 
-    logging.basicConfig(level=envs.log_level())
+    configure_process_logging("engine-core")
     input_address, output_address, ipc_dir = daemon_addresses(args.address)
     try:
         curve = None

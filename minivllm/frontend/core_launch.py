@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -12,20 +13,34 @@ import msgspec
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.exceptions import EngineStartupError
-from minivllm.process_utils import describe_exit, private_ipc_dir, spawn, terminate
+from minivllm.process_utils import (
+    PROCESS_PRIORITY,
+    describe_exit,
+    on_release,
+    private_ipc_dir,
+    remove_run_dirs_of,
+    spawn,
+    terminate,
+)
 from minivllm.protocol import transport
 from minivllm.protocol.messages import EngineCoreInfo
 
 
 @dataclass
 class EngineCoreLaunch:
-    """A spawned engine-core that may still be starting. Spawn from the main thread: a
-    child's parent-death signal fires when the *thread* that spawned it ends."""
+    """A spawned engine-core that may still be starting. It is stopped by `cancel()`, or
+    when nothing refers to this object any more, or at interpreter exit. Spawn from the main
+    thread: a child's parent-death signal fires when the *thread* that spawned it ends."""
 
     proc: BaseProcess
     ready: Connection
     death_pipe: Connection
     ipc_dir: str
+    _stop: Callable[[], None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        args = (self.proc, self.ready, self.death_pipe, self.ipc_dir)
+        self._stop = on_release(self, _stop_engine_core, *args, priority=PROCESS_PRIORITY)
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineCoreLaunch:
@@ -38,6 +53,7 @@ class EngineCoreLaunch:
                 config=config,
                 input_address=transport.ipc_address(ipc_dir, "input"),
                 output_address=transport.ipc_address(ipc_dir, "output"),
+                run_dir=ipc_dir,
             ),
             name="engine-core",
         )
@@ -66,9 +82,22 @@ class EngineCoreLaunch:
             raise EngineStartupError(f"{hello.error} ({describe_exit(proc)})")
         return hello.input_address
 
+    def request_stop(self) -> None:
+        """Ask the engine-core to stop (SIGTERM) without waiting: several stop at once."""
+        if self.proc.is_alive():
+            self.proc.terminate()
+
     def cancel(self) -> None:
-        """Stop an engine-core that no client took over."""
-        terminate([self.proc], timeout=10.0)
-        self.ready.close()
-        self.death_pipe.close()
-        transport.cleanup_ipc(self.ipc_dir)
+        """Stop the engine-core (SIGTERM: it stops its workers) and remove its run directory."""
+        self._stop()
+
+
+def _stop_engine_core(
+    proc: BaseProcess, ready: Connection, death_pipe: Connection, ipc_dir: str
+) -> None:
+    terminate([proc], timeout=10.0)
+    ready.close()
+    death_pipe.close()
+    transport.cleanup_ipc(ipc_dir)
+    if not proc.is_alive():  # what an engine-core killed by a signal had no time to remove
+        remove_run_dirs_of(proc.pid)

@@ -205,6 +205,9 @@ class _DPClient:
         ]
 
     def shutdown(self) -> None:
+        for c in self.clients:  # the engine-cores stop side by side, not one after another
+            if c.launch is not None:
+                c.launch.request_stop()
         for c in self.clients:
             with contextlib.suppress(Exception):
                 c.shutdown()

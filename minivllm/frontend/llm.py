@@ -18,7 +18,8 @@ from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """Generate for a batch of prompts, vLLM's way: `LLM(model=...).generate(prompts, params)`."""
+    """Generate for a batch of prompts, vLLM's way: `LLM(model=...).generate(prompts, params)`.
+    The engine ends with the LLM (see `shutdown`); `with LLM(...) as llm:` scopes it."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(EngineArgs.field_names())
@@ -36,11 +37,12 @@ class LLM:
         tokenizer: str | None = None,
     ) -> LLM:
         """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
-        routed over all) instead of starting an engine; `shutdown()` then detaches and
-        leaves the daemons running. `curve`: the keys a daemon on a network address asks for
-        (`CurveClientKeys.load(server_key, secret_key)`). No model files are needed here:
-        the daemon sends its tokenizer, limits and sampling defaults; `tokenizer`: a
-        directory to load the tokenizer from instead."""
+        routed over all) instead of starting an engine; `shutdown()` (or leaving `with`, or
+        the end of the script) then detaches and leaves the daemons running. `curve`: the
+        keys a daemon on a network address asks for (`CurveClientKeys.load(server_key,
+        secret_key)`). No model files are needed here: the daemon sends its tokenizer,
+        limits and sampling defaults; `tokenizer`: a directory to load the tokenizer from
+        instead."""
         llm = cls.__new__(cls)
         llm.engine_args = None
         llm.llm_engine = LLMEngine.connect(address, curve, tokenizer)
@@ -122,12 +124,15 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def shutdown(self) -> None:
+        """Stop the engine (or detach from the daemon). Optional: it also happens when the
+        LLM is garbage-collected, at interpreter exit, and on leaving `with LLM(...) as llm:`."""
         self.llm_engine.shutdown()
 
-    def __del__(self) -> None:
-        engine = getattr(self, "llm_engine", None)
-        if engine is not None:
-            engine.shutdown()
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -10,6 +10,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from minivllm.outputs import RequestOutput
+from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import UtilityMethod
 from minivllm.protocol.sampling_params import SamplingParams
@@ -17,7 +18,11 @@ from minivllm.protocol.sampling_params import SamplingParams
 
 class LLMEngine:
     """Tokenizes on the way in, detokenizes on the way out; the engine-core does the rest,
-    in its own process by default (`distributed_executor_backend='uni'` keeps it in this one)."""
+    in its own process by default (`distributed_executor_backend='uni'` keeps it in this one).
+
+    The engine it started stops (an attached daemon is left) on `shutdown()`, when nothing
+    refers to the LLMEngine any more, or at interpreter exit, whichever comes first. A
+    given `client` is owned from here on, also when this constructor fails."""
 
     def __init__(
         self,
@@ -29,13 +34,18 @@ class LLMEngine:
         """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`); `config`: the
         whole engine's when this frontend started it (None when attached to a daemon)."""
         self.config = config
-        self.model_config = model_config
-        if tokenizer is None and not model_config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(model_config.tokenizer)
-        self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client
+        self._release = on_release(self, client.shutdown)
+        try:
+            self.model_config = model_config
+            if tokenizer is None and not model_config.skip_tokenizer_init:
+                tokenizer = load_tokenizer(model_config.tokenizer)
+            self.tokenizer = tokenizer
+            self.input_processor = InputProcessor(model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            self._release()
+            raise
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -115,4 +125,4 @@ class LLMEngine:
         return self.engine_core.call_utility(UtilityMethod.STATS)
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self._release()

@@ -108,6 +108,10 @@ class _MPClient:
 
     def _attach(self, address: str) -> EngineCoreInfo:
         self.address = address
+        try:
+            transport.check_ipc_listener(address)
+        except OSError as e:
+            raise EngineStartupError(f"no engine-core at {address}: {e}") from None
         self.input_sock = transport.connect_socket(
             self.ctx, zmq.DEALER, address, identity=self.identity, curve=self.curve
         )

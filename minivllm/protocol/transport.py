@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +59,23 @@ def ipc_address(ipc_dir: str, name: str) -> str:
     if len(path.encode()) > _MAX_IPC_PATH:
         raise ValueError(f"ipc socket path too long ({len(path)} > {_MAX_IPC_PATH} bytes): {path}")
     return f"ipc://{path}"
+
+
+def check_ipc_listener(address: str) -> None:
+    """For an `ipc://` address, raise an OSError naming the path unless a socket there
+    accepts connections (ZMQ itself would retry in silence). Other addresses pass."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://") :]
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise ConnectionRefusedError(f"nothing listens on {path} (a stale socket file?)") from None
+    finally:
+        probe.close()
 
 
 def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:

@@ -42,8 +42,15 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        long_rope_threshold: int | None = None,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        self.long_rope_threshold = long_rope_threshold
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
@@ -54,6 +61,10 @@ class InputBatch:
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, NO_LOGPROBS, dtype=np.int64)  # -1: all
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # added to each token's position to find its row of the rotary table: LongRoPE's
+        # long rows follow the short ones, for requests sent longer than the threshold (the
+        # scheduler decides the same way: SchedulerConfig.long_rope_threshold)
+        self.rope_row_offset = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
         self.num_with_logprobs = 0  # requests that asked for logprobs
         self.num_prompt_logprobs = 0  # requests that asked for prompt logprobs
@@ -72,6 +83,8 @@ class InputBatch:
         self.seeds[row] = new.sample_seed
         self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         self.num_prompt_tokens[row] = new.num_prompt_tokens
+        threshold = self.long_rope_threshold
+        self.rope_row_offset[row] = threshold if threshold is not None and n > threshold else 0
         state = RequestState(
             req_id=new.req_id,
             row=row,

@@ -79,7 +79,10 @@ class ModelRunner:
         spec = config.speculative
         # the most rows a step samples: each request's last token and its drafts
         self.max_sample_rows = max_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        self.batch = InputBatch(max_seqs, max_len, self.max_blocks_per_req)
+        self.long_rope_threshold = config.scheduler.long_rope_threshold
+        self.batch = InputBatch(
+            max_seqs, max_len, self.max_blocks_per_req, self.long_rope_threshold
+        )
         self.buffers = StepBuffers(
             max_seqs,
             config.scheduler.max_num_batched_tokens,
@@ -125,7 +128,10 @@ class ModelRunner:
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
-        self.model = load_model(self.config.model, self.device, self.tp, self.attn_backend)
+        self.model = load_model(
+            self.config.model, self.device, self.tp, self.attn_backend,
+            expert_parallel=self.config.parallel.enable_expert_parallel,
+        )  # fmt: skip
         if self.drafter is not None:
             self.drafter.load_model()
         cache = self.config.cache

@@ -206,6 +206,8 @@ def write_token_inputs(
         starts = np.repeat(sched.computed - cu[:-1], sched.query_lens)
         positions = starts + np.arange(total)
     h.positions[:total] = positions
+    if batch.long_rope_threshold is not None:  # the model reads positions as rotary rows
+        h.positions[:total] += batch.rope_row_offset[tok_rows]
     h.input_ids[:total] = batch.token_ids[tok_rows, positions]
     h.slot_mapping[:total] = batch.block_table[tok_rows, positions // bs] * bs + positions % bs
     h.seq_lens[:n] = seq_lens

@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from minivllm import envs
 from minivllm.config import EngineConfig
+from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
 from minivllm.protocol import transport
 from minivllm.protocol.messages import (
@@ -60,7 +60,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine-core decides when we stop
     # a step that hangs: the engine-core asks for the stacks before it kills us
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=envs.log_level())
+    configure_process_logging()
     ready_pipe.close()
     serve(config, rank, step_address, result_address)
 

@@ -14,7 +14,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.frontend.mp_client import SyncMPClient
 from minivllm.protocol.messages import UtilityMethod
-from tests.process_helpers import python_env
+from tests.process_helpers import python_env, wait_for_ipc_socket
 
 CLIENT = """
 import asyncio, json, sys
@@ -88,6 +88,7 @@ def daemon(qwen3_dir: str, tmp_path):
         env=python_env(),
     )
     # connecting succeeds once the engine is up (the handshake waits for it)
+    wait_for_ipc_socket(address)
     wait_for_stats(address, lambda s: True, timeout=5)
     yield address, proc
     if proc.poll() is None:

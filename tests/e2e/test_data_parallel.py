@@ -23,7 +23,7 @@ from minivllm import (
 )
 from minivllm.exceptions import EngineCoreDeadError
 from tests.hf_reference import parity_prompts
-from tests.process_helpers import spawned_children, wait_gone
+from tests.process_helpers import spawned_children, wait_for_ipc_socket, wait_gone
 from tests.tiny_models import build_null_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,6 +165,8 @@ def test_connect_to_several_daemons(null_dir: str, tmp_path) -> None:
     addresses = [f"ipc://{tmp_path}/engine{i}.sock" for i in range(2)]
     daemons = [_daemon(null_dir, a) for a in addresses]
     try:
+        for a in addresses:
+            wait_for_ipc_socket(a)
         llm = AsyncLLM.connect(addresses)
 
         async def main():

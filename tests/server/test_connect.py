@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from minivllm.frontend.mp_client import SyncMPClient
+from tests.process_helpers import wait_for_ipc_socket
 from tests.server.conftest import server_env, stop_cleanly
 
 
@@ -24,6 +25,7 @@ def daemon(qwen3_dir: str, tmp_path_factory):
         stderr=subprocess.DEVNULL,
         env=server_env(),
     )
+    wait_for_ipc_socket(address)
     SyncMPClient.connect(address).shutdown()  # returns once the daemon answers
     yield address
     proc.terminate()

@@ -73,7 +73,7 @@ def test_attention_kernels_dequantize_in_registers(kind: str, cascade: bool) -> 
 
 @pytest.mark.parametrize("store", ["store_kv_cache", "qk_norm_rope"])
 def test_kv_stores_quantize_with_saturation(store: str) -> None:
-    from minivllm.worker.ops import kv_cache, rotary
+    from minivllm.worker.ops import kv_cache
 
     cache = {"*fp8e4nv": True, "*bf16": False}
     for cache_type, fp8 in cache.items():
@@ -84,15 +84,40 @@ def test_kv_stores_quantize_with_saturation(store: str) -> None:
             sig |= _i32("stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head")
             consts = dict(NUM_KV_HEADS=8, BLOCK_H=8, HEAD_DIM=128, PAGE=16, FP8=fp8, PDL=True)
         else:
-            kernel = rotary._qk_norm_rope_kernel
-            sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16"}
-            sig |= {"cache_ptr": "*fp32", "pos_ptr": "*i64"}
-            sig |= _i32("stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head")
-            sig |= _i32("stride_cache", "n_q_heads", "n_k_heads") | {"eps": "fp32"}
-            sig |= {"v_ptr": "*bf16", "kv_ptr": cache_type, "slot_ptr": "*i64"}
-            sig |= {"kv_scale_ptr": "*fp32", "n_slots": "i32"}
-            sig |= _i32("stride_v_tok", "stride_v_head")
-            consts = dict(BLOCK_HQ=16, BLOCK_HK=8, HALF=64, APPLY_NORM=True, STORE_KV=True)
-            consts |= dict(PAGE=16, FP8=fp8, PDL=True)
+            kernel, sig, consts = _rotary(cache_type, head_dim=128, rotary_dim=128)
         ptx = compile_for_hopper(kernel, sig | CACHE_STRIDES, consts, 4).asm["ptx"]
         assert (QUANT in ptx) == fp8, cache_type
+
+
+def _rotary(cache_type: str, head_dim: int, rotary_dim: int, norm: bool = True) -> tuple:
+    """The rotary kernel (norm, rotation and KV store) at Qwen3-8B's head counts."""
+    from minivllm.worker.ops import rotary
+
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16"}
+    sig |= {"cache_ptr": "*fp32", "pos_ptr": "*i64"}
+    sig |= _i32("stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head")
+    sig |= _i32("stride_cache", "n_q_heads", "n_k_heads") | {"eps": "fp32"}
+    sig |= {"v_ptr": "*bf16", "kv_ptr": cache_type, "slot_ptr": "*i64"}
+    sig |= {"kv_scale_ptr": "*fp32", "n_slots": "i32"}
+    sig |= _i32("stride_v_tok", "stride_v_head")
+    half, pass_dims = rotary_dim // 2, head_dim - rotary_dim
+    consts = dict(BLOCK_HQ=32, BLOCK_HK=8, HALF=half, BLOCK_R=1 << (half - 1).bit_length())
+    consts |= dict(PASS=pass_dims, BLOCK_P=1 << max(pass_dims - 1, 0).bit_length())
+    consts |= dict(APPLY_NORM=norm, STORE_KV=True, PAGE=16, FP8=cache_type == "*fp8e4nv")
+    return rotary._qk_norm_rope_kernel, sig | CACHE_STRIDES, consts | dict(PDL=True)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim"),
+    [(128, 128), (96, 96), (128, 96), (24, 18)],
+    ids=["whole-heads", "phi3-mini-96", "phi4-mini-partial", "odd-half"],
+)
+def test_rotary_kernel_compiles_for_every_head_shape(head_dim: int, rotary_dim: int) -> None:
+    """Head dims that are no power of two and partial rotary (the pass-through dims stored
+    with the rotated ones) build for an H100, with and without the norm, into 16-bit and FP8
+    caches."""
+    for cache_type in ("*bf16", "*fp8e4nv"):
+        for norm in (True, False):
+            kernel, sig, consts = _rotary(cache_type, head_dim, rotary_dim, norm)
+            ptx = compile_for_hopper(kernel, sig, consts, 4).asm["ptx"]
+            assert (QUANT in ptx) == (cache_type == "*fp8e4nv")

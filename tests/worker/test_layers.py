@@ -106,6 +106,33 @@ def test_qkv_shards_heads_and_replicates_kv_when_tp_exceeds_kv_heads(tp_size: in
         assert torch.equal(ks[0], ks[1]) and torch.equal(vs[2], vs[3])
 
 
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_fused_checkpoint_tensors_shard_as_their_parts(tp_size: int, as_slice) -> None:
+    """Phi-3 stores q, k, v one after another in qkv_proj (gate, up in gate_up_proj): each
+    rank takes its q heads, its kv heads (replicated past 2 ranks) and its part of gate and
+    of up, exactly as from separate tensors, also from a lazy safetensors slice."""
+    head_dim, heads, kv_heads, hidden, inter = 2, 4, 2, 3, 8
+    q, k = torch.randn(heads * head_dim, hidden), torch.randn(kv_heads * head_dim, hidden)
+    v = torch.randn(kv_heads * head_dim, hidden)
+    gate, up = torch.randn(inter, hidden), torch.randn(inter, hidden)
+    for load in (lambda t: t, as_slice):
+        for tp in ranks(tp_size):
+            fused = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp)
+            parts = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp)
+            fused.weight.weight_loader(fused.weight, load(torch.cat([q, k, v])))
+            for shard_id, t in (("q", q), ("k", k), ("v", v)):
+                parts.weight.weight_loader(parts.weight, t, shard_id)
+            assert torch.equal(fused.weight, parts.weight)
+            fused_mlp = MergedColumnParallelLinear(hidden, [inter, inter], tp)
+            parts_mlp = MergedColumnParallelLinear(hidden, [inter, inter], tp)
+            fused_mlp.weight.weight_loader(fused_mlp.weight, load(torch.cat([gate, up])))
+            parts_mlp.weight.weight_loader(parts_mlp.weight, gate, 0)
+            parts_mlp.weight.weight_loader(parts_mlp.weight, up, 1)
+            assert torch.equal(fused_mlp.weight, parts_mlp.weight)
+    with pytest.raises(ValueError, match=r"has 14 rows, expected 16 \(0: 8, 1: 8\)"):
+        fused_mlp.weight.weight_loader(fused_mlp.weight, torch.randn(14, hidden))
+
+
 def test_vocab_shards_pad_the_last_rank_and_lookup_masks(as_slice) -> None:
     w = torch.randn(7, 4)  # 7 rows over 2 ranks: 4 + 3 (+1 zero pad row)
     embs = [VocabParallelEmbedding(7, 4, tp) for tp in ranks(2)]
@@ -145,8 +172,8 @@ def test_llama3_rope_scaling_matches_hf() -> None:
     cos, sin = ours.cos_sin_cache[positions].chunk(2, dim=-1)
     torch.testing.assert_close(cos, expected.cos())
     torch.testing.assert_close(sin, expected.sin())
-    with pytest.raises(ValueError, match="yarn"):
-        RotaryEmbedding(64, 16, {"rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="'ntk' .*supported: default, linear, dynamic, llama3"):
+        RotaryEmbedding(64, 16, {"rope_scaling": {"type": "ntk", "factor": 2.0}})
 
 
 def _prefill_logits(model_dir: str, tp: TPGroup) -> torch.Tensor:

@@ -17,7 +17,7 @@ from minivllm.worker.models.llama_family import CausalLM
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
-ARCHS = ["qwen3", "qwen3-untied", "qwen2", "llama"]
+ARCHS = ["qwen3", "qwen3-untied", "qwen2", "llama", "phi3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +223,20 @@ def test_dummy_weights_are_deterministic_and_finite_in_bf16(qwen3_dir: str) -> N
     logits = run_step(models[0], kv, [(BLOCKS[0], 0, prompts()[0])])[0]
     assert torch.isfinite(logits).all()
     assert logits.shape == (5, config.vocab_size)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-untied", "qwen2", "llama", "phi3"])
+def test_dummy_weights_are_named_and_shaped_as_the_checkpoint(
+    tiny_models: dict[str, str], model: str
+) -> None:
+    """Dummy weights go through the checkpoint's loading path, Phi-3's fused qkv_proj and
+    gate_up_proj included: every tensor a real checkpoint holds, of its shape, no other."""
+    from minivllm.worker.dummy_weights import hf_weight_shapes
+    from minivllm.worker.layers.weights import shape_of
+    from minivllm.worker.model_loader import iter_safetensors
+    from minivllm.worker.models.registry import resolve_architecture
+
+    config = model_config(tiny_models[model])
+    _, variant = resolve_architecture(config)
+    on_disk = {name: shape_of(t) for name, t in iter_safetensors(tiny_models[model])}
+    assert hf_weight_shapes(config, variant) == on_disk

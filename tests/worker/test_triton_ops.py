@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,15 +42,22 @@ def check_norm_and_activation(device: str, dtype: torch.dtype) -> None:
     assert silu_and_mul(gate_up).shape == (7, 1100)
 
 
-def check_qk_norm_rope(device: str, dtype: torch.dtype, apply_norm: bool) -> None:
+# (head_dim, rotary dim): whole heads; Phi-3-mini's 96 (no power of two); Phi-4-mini's
+# partial rotary (0.75 of 128); a rotated half of 9 dims and a pass-through of 6
+ROPE_SHAPES = [(64, 64), (96, 96), (128, 96), (24, 18)]
+
+
+def check_qk_norm_rope(
+    device: str, dtype: torch.dtype, apply_norm: bool, d: int = 64, rot: int = 64
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    t, hq, hk, d = 6, 4, 2, 64
+    t, hq, hk = 6, 4, 2
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype=dtype, device=device)
     q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer has them
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     q_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
     k_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
-    cache = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    cache = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, device)
     positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
     q_ref, k_ref = q.clone(), k.clone()
     rotary.qk_norm_rope_torch(q_ref, k_ref, q_w, k_w, cache, positions, 1e-6, apply_norm)
@@ -59,10 +67,14 @@ def check_qk_norm_rope(device: str, dtype: torch.dtype, apply_norm: bool) -> Non
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k, k_ref, **tol)
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before)  # v untouched
+    if not apply_norm:  # the dims past the rotary dim pass through, bit for bit
+        assert torch.equal(q[..., rot:], q_ref[..., rot:]) and torch.equal(
+            k[..., rot:], k_ref[..., rot:]
+        )
 
 
 def check_qk_norm_rope_kv_store(
-    device: str, dtype: torch.dtype, apply_norm: bool, cache_dtype: torch.dtype
+    device: str, dtype: torch.dtype, apply_norm: bool, cache_dtype: torch.dtype, rot: int = 64
 ) -> None:
     """The KV store fused into qk_norm_rope against the unfused path (rotate, then the
     attention backend's store kernel): the same q/k and the same cache, for GQA shapes with
@@ -81,7 +93,7 @@ def check_qk_norm_rope_kv_store(
     # the last token has no slot (a padded row); token 1 has slot -1
     slots = torch.tensor([13, -1, 0, 7, 19, 2], device=device)
     positions = torch.tensor([0, 1, 5, 17, 63, 2, 9], device=device)
-    cos_sin = rotary.build_cos_sin_cache(64, d, 10000.0, torch.float32, device)
+    cos_sin = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, device)
     fp8 = cache_dtype == FP8
     kv_scale = torch.tensor([0.03, 0.004], device=device) if fp8 else None
     if fp8:
@@ -183,7 +195,9 @@ def check_sampler(sample_fn, device: str, draws: int = 2000) -> None:  # noqa: A
     torch.testing.assert_close(freq, (small / temp).softmax(-1), atol=atol, rtol=0)
 
 
-def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
+def check_qk_norm_rope_store_kv_op(
+    device: str, dtype: torch.dtype, partial_rotary_factor: float = 1.0
+) -> None:
     """layers.fused.qk_norm_rope_store_kv against the ops one after another (the rotary
     kernel, then the torch store) and against the layers it fuses, `rope(positions,
     q_norm(q), k_norm(k))`: where Triton runs and the backend stores as the rotary
@@ -191,7 +205,6 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
     the torch backend, or without Triton, the rotation, then the backend's store (the scales
     first, from the rotated keys). Each way, q, k, the cache and the scales come out alike."""
     from minivllm.worker.attention.layer import PagedAttention, forward_batch
-    from minivllm.worker.attention.metadata import one_prompt_metadata
     from minivllm.worker.attention.torch_attention import TorchAttentionBackend, store_kv
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
     from minivllm.worker.layers import fused
@@ -199,10 +212,13 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
     from minivllm.worker.layers.rotary import RotaryEmbedding
     from minivllm.worker.ops._triton import use_triton
     from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales
+    from minivllm.worker.step_buffers import StepBuffers
 
     gen = torch.Generator().manual_seed(5)
     t, hq, hk, d, page = 6, 4, 2, 64, 4
-    rope = RotaryEmbedding(d, 64, {"rope_theta": 10000.0}).to(device)
+    rope = RotaryEmbedding(
+        d, 64, {"rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor}
+    ).to(device)
     norms = [RMSNorm(d, 1e-6, dtype).to(device) for _ in range(2)]
     for norm in norms:
         norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=gen))
@@ -231,7 +247,8 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
             cache = torch.zeros(2, 3, page, hk, d, dtype=cache_dtype, device=device)
             attn = PagedAttention(0, backend, d**-0.5).to(device)
             attn.kv_scale.copy_(torch.tensor([0.03, 0.02]))
-            meta = one_prompt_metadata(t, page, torch.device(device))
+            buffers = StepBuffers(1, t, 3, page, torch.device(device))
+            meta = buffers.one_prompt(np.zeros(t, dtype=np.int64))
             meta.slot_mapping[2] = -1
             meta.compute_kv_scales = compute_scales
 
@@ -269,8 +286,10 @@ def check_qk_norm_rope_store_kv_op(device: str, dtype: torch.dtype) -> None:
 
 def test_torch_paths_and_rope_cache() -> None:
     check_norm_and_activation("cpu", torch.float32)  # without the interpreter: torch paths
-    check_qk_norm_rope("cpu", torch.float32, True)
+    for d, rot in ROPE_SHAPES:
+        check_qk_norm_rope("cpu", torch.float32, True, d, rot)
     check_qk_norm_rope_store_kv_op("cpu", torch.float32)
+    check_qk_norm_rope_store_kv_op("cpu", torch.float32, partial_rotary_factor=0.75)
     check_sampler(sampling.sample_reference, "cpu")
     # the torch fallback rotates only; a KV store asked of it is refused, not dropped
     q, k, v = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
@@ -283,8 +302,30 @@ def test_torch_paths_and_rope_cache() -> None:
     cache = rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu")
     angles = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])  # theta^(-2i/d)
     torch.testing.assert_close(cache, torch.cat([angles.cos(), angles.sin()], -1))
-    with pytest.raises(ValueError, match="yarn"):
-        rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu", {"rope_type": "yarn"})
+    with pytest.raises(ValueError, match="'ntk'.*supported: default, linear, dynamic"):
+        rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu", {"rope_type": "ntk"})
+    with pytest.raises(ValueError, match="rotary dim 6 must be even and at most head_dim 4"):
+        rotary.qk_norm_rope(q[..., :4], k[..., :4], None, None, cos_sin[:, :6], pos, 0.0, False)
+
+
+def test_partial_rotary_matches_transformers() -> None:
+    """The torch path against transformers' Phi-3 rotation: the first rotary dims of each
+    head rotate (rotate_half within them), the rest pass through."""
+    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    gen = torch.Generator().manual_seed(9)
+    t, d, rot = 5, 24, 18
+    q, k = torch.randn(t, 4, d, generator=gen), torch.randn(t, 2, d, generator=gen)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    cos_sin = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, "cpu")
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    # transformers: [batch, heads, tokens, dim], cos/sin [batch, tokens, rot] (halves repeated)
+    ref_q, ref_k = phi3.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+        torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None],
+    )  # fmt: skip
+    rotary.qk_norm_rope_torch(q, k, None, None, cos_sin, positions, 0.0, False)
+    torch.testing.assert_close(q, ref_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, ref_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
 
 
 def test_llama3_rope_matches_transformers() -> None:
@@ -317,13 +358,16 @@ def test_triton_ops_interpreted(checks: list[str]) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_ops_gpu(dtype: torch.dtype) -> None:
     check_norm_and_activation("cuda", dtype)
-    check_qk_norm_rope("cuda", dtype, True)
-    check_qk_norm_rope("cuda", dtype, False)
-    check_qk_norm_rope_kv_store("cuda", dtype, True, dtype)
-    check_qk_norm_rope_kv_store("cuda", dtype, False, dtype)
-    check_qk_norm_rope_kv_store("cuda", dtype, True, torch.bfloat16)
-    check_qk_norm_rope_kv_store("cuda", dtype, True, torch.float8_e4m3fn)
+    for d, rot in ROPE_SHAPES:
+        check_qk_norm_rope("cuda", dtype, True, d, rot)
+        check_qk_norm_rope("cuda", dtype, False, d, rot)
+    for rot in (64, 48):  # whole heads; partial, with a rotated half of 24 dims
+        check_qk_norm_rope_kv_store("cuda", dtype, True, dtype, rot)
+        check_qk_norm_rope_kv_store("cuda", dtype, False, dtype, rot)
+        check_qk_norm_rope_kv_store("cuda", dtype, True, torch.bfloat16, rot)
+        check_qk_norm_rope_kv_store("cuda", dtype, True, torch.float8_e4m3fn, rot)
     check_qk_norm_rope_store_kv_op("cuda", dtype)
+    check_qk_norm_rope_store_kv_op("cuda", dtype, partial_rotary_factor=0.75)
 
 
 @pytest.mark.gpu
@@ -380,15 +424,19 @@ if __name__ == "__main__":  # the interpreted run: python this_file.py CHECK...
         if check == "norm":
             check_norm_and_activation("cpu", torch.float32)
         elif check == "rope":
-            check_qk_norm_rope("cpu", torch.float32, True)
-            check_qk_norm_rope("cpu", torch.float32, False)
+            for d, rot in ROPE_SHAPES:
+                check_qk_norm_rope("cpu", torch.float32, True, d, rot)
+                check_qk_norm_rope("cpu", torch.float32, False, d, rot)
         elif check == "rope_kv_store":
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float32)
             check_qk_norm_rope_kv_store("cpu", torch.float32, False, torch.float32)
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float16)
             check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float8_e4m3fn)
             check_qk_norm_rope_kv_store("cpu", torch.bfloat16, False, torch.float8_e4m3fn)
+            check_qk_norm_rope_kv_store("cpu", torch.float32, True, torch.float32, rot=48)
+            check_qk_norm_rope_kv_store("cpu", torch.float32, False, torch.float16, rot=48)
             check_qk_norm_rope_store_kv_op("cpu", torch.float32)
+            check_qk_norm_rope_store_kv_op("cpu", torch.float32, partial_rotary_factor=0.75)
         elif check == "sampler":
             check_sampler(sampling.sample, "cpu", draws=300)
         print("ok", check)

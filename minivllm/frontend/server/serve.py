@@ -14,6 +14,7 @@ import socket
 import sys
 
 from minivllm import envs
+from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -200,16 +201,9 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from minivllm.frontend.server.app import build_app
-    from minivllm.frontend.server.streaming import with_server_send
-
-    logging.basicConfig(
-        level=envs.log_level(),
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-        datefmt="%m-%d %H:%M:%S",
-    )
+    """Serve until SIGINT or SIGTERM. Whatever fails during the start stops what was
+    started (the engine, once it is up) and exits non-zero with a line naming the cause."""
+    configure_process_logging("api-server")
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as e:
@@ -224,19 +218,38 @@ def run_server(args: argparse.Namespace) -> None:
     except OSError as e:
         raise SystemExit(f"minivllm serve: cannot listen on {host}:{args.port}: {e}") from None
     _warn_if_open(host, args.api_key)
-    state = build_state(args, chat_template)
+    state = None
+    try:
+        try:
+            state = build_state(args, chat_template)
+            server = _uvicorn_server(args, state)
+        except Exception as e:
+            logger.debug("start-up failed", exc_info=True)
+            raise SystemExit(f"minivllm serve: could not start: {type(e).__name__}: {e}") from None
+        port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
+        print(f"minivllm serve: model {state.model_name!r} at http://{shown}:{port}", flush=True)
+        server.run(sockets=[sock])  # uvicorn's lifespan stops the engine when it ends
+    finally:
+        if state is not None:
+            state.engine.shutdown()
+    sys.exit(0)
+
+
+def _uvicorn_server(args: argparse.Namespace, state):
+    import uvicorn
+
+    from minivllm.frontend.server.app import build_app
+    from minivllm.frontend.server.streaming import with_server_send
+
     freeze_startup_heap()  # the server's own process: later collections skip start-up's heap
     config = uvicorn.Config(
         with_server_send(build_app(state)),
         loop="uvloop",
         http="httptools",
+        log_config=None,  # uvicorn's lines go through the root logger, in minivllm's format
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
-    port = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
-    print(f"minivllm serve: model {state.model_name!r} at http://{shown}:{port}", flush=True)
-    server.run(sockets=[sock])
-    sys.exit(0)
+    return uvicorn.Server(config)

@@ -5,7 +5,10 @@ row-parallel layers split the input features, so each rank's product is a partia
 all-reduce. A column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down)
 thus costs one all-reduce, which a decoder leaves to the norm after it (`reduce_results`).
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
-rank's slice of a checkpoint tensor into it.
+rank's slice of a checkpoint tensor into it. The stacked layers (q/k/v, gate/up) take one
+checkpoint tensor per shard, or with shard_id None one that holds them all, fused as Phi-3
+stores them: split into its shards first, so each rank still takes its own heads and its
+part of gate and of up, not a contiguous slice of the fused rows.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import torch
 from torch import nn
 
 from minivllm.worker.distributed.parallel_state import TPGroup, divide
-from minivllm.worker.layers.weights import Loaded, copy_checked, default_weight_loader, narrow
+from minivllm.worker.layers.weights import (
+    Loaded,
+    copy_checked,
+    default_weight_loader,
+    lazy_rows,
+    narrow,
+    shape_of,
+)
 from minivllm.worker.ops.gemv import linear
 
 
@@ -65,7 +75,8 @@ class ColumnParallelLinear(_SplitLinear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up): per rank, each output's
-    shard is laid out one after another. Checkpoint tensors come with shard_id = 0, 1, ..."""
+    shard is laid out one after another. Checkpoint tensors come with shard_id = 0, 1, ...,
+    or all outputs in one (shard_id None: Phi-3's gate_up_proj)."""
 
     def __init__(
         self,
@@ -79,6 +90,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), tp, bias, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is None:
+            _load_fused(self, param, loaded, list(enumerate(self.output_sizes)))
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"shard_id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
@@ -95,7 +109,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     Each rank holds num_heads / tp query heads and num_kv_heads / tp key/value heads; when
     tp > num_kv_heads every kv head is replicated on tp / num_kv_heads consecutive ranks.
-    Checkpoint tensors come with shard_id "q", "k" or "v".
+    Checkpoint tensors come with shard_id "q", "k" or "v", or all three in one (shard_id
+    None: Phi-3's qkv_proj).
     """
 
     def __init__(
@@ -109,6 +124,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
     ) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp.size)
         if tp.size >= num_kv_heads:
             self.num_kv_heads = 1
@@ -128,6 +144,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is None:
+            q, kv = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
+            _load_fused(self, param, loaded, [("q", q), ("k", kv), ("v", kv)])
+            return
         if shard_id == "q":
             offset, rows, src_rank = 0, self.q_size, self.tp.rank
         elif shard_id in ("k", "v"):
@@ -136,6 +156,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         copy_checked(param.data.narrow(0, offset, rows), narrow(loaded, 0, src_rank * rows, rows))
+
+
+def _load_fused(
+    layer: ColumnParallelLinear, param: nn.Parameter, loaded: Loaded, shards: list[tuple]
+) -> None:
+    """Load a checkpoint tensor that holds every shard of a stacked layer, one after another
+    in its rows, [(shard_id, rows), ...], by loading each shard's rows."""
+    total = sum(n for _, n in shards)
+    if shape_of(loaded)[0] != total:
+        raise ValueError(
+            f"fused checkpoint shape {shape_of(loaded)} has {shape_of(loaded)[0]} rows, "
+            f"expected {total} ({', '.join(f'{sid}: {n}' for sid, n in shards)})"
+        )
+    start = 0
+    for shard_id, n in shards:
+        layer.weight_loader(param, lazy_rows(loaded, start, n), shard_id)
+        start += n
 
 
 class RowParallelLinear(_SplitLinear):
@@ -166,3 +203,19 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.rank_bias)
         return self.tp.all_reduce(y) if self.reduce_results else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with all of W on every rank (a mixture-of-experts router): no sharding, no
+    communication."""
+
+    def __init__(
+        self, input_size: int, output_size: int, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = _param(
+            output_size, input_size, dtype=params_dtype, loader=default_weight_loader
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)

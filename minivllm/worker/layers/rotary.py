@@ -1,4 +1,5 @@
-"""Rotary position embedding (NeoX / HF rotate_half layout)."""
+"""Rotary position embedding (NeoX / HF rotate_half layout), over the first `rotary_dim`
+dims of each head (all of them, or partial_rotary_factor of them)."""
 
 from __future__ import annotations
 
@@ -7,37 +8,42 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.rope_config import rope_parameters, rotary_dim
 from minivllm.worker.ops.rotary import build_cos_sin_cache, qk_norm_rope
-
-_SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, scaling dict) from either config layout: transformers 5 writes
-    `rope_parameters`, older checkpoints a top-level `rope_theta` plus `rope_scaling`."""
-    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope type {params['rope_type']!r} is not supported; "
-            f"supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
-        )
-    return theta, params
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token positions, from one table of cos|sin for every
-    position up to max_positions, float32, built once and shared by all layers.
+    position up to max_positions, float32, built once and shared by all layers, with the
+    scaling config.json asks for (`rope_config.rope_parameters`).
+
+    A position indexes a row of the table; LongRoPE's table holds the short factors' rows,
+    then the long ones': the model runner gives each token of a sequence longer than
+    original_max_position_embeddings its position plus that length (see
+    `ops.rotary.build_cos_sin_cache`).
 
     A decoder rotates inside `layers.fused.qk_norm_rope_store_kv`, which reads
     `cos_sin_cache` (and may norm each head first and store k and v in the same kernel)."""
 
-    def __init__(self, head_dim: int, max_positions: int, hf_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        hf_config: dict[str, Any],
+        layer_type: str | None = None,
+    ) -> None:
+        """`layer_type` picks the settings of those layers where config.json gives them per
+        layer type (Gemma 3's "sliding_attention" and "full_attention")."""
         super().__init__()
-        theta, scaling = rope_parameters(hf_config)
+        rope = rope_parameters(hf_config, layer_type)
+        self.rotary_dim = rotary_dim(head_dim, rope)
         table = build_cos_sin_cache(
-            max_positions, head_dim, theta, torch.float32, torch.get_default_device(), scaling
+            max_positions,
+            self.rotary_dim,
+            rope["rope_theta"],
+            torch.float32,
+            torch.get_default_device(),
+            rope,
         )
         self.register_buffer("cos_sin_cache", table, persistent=False)
 

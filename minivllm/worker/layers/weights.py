@@ -27,6 +27,32 @@ def narrow(loaded: Loaded, dim: int, start: int, length: int) -> torch.Tensor:
     return loaded[index]
 
 
+class _Rows:
+    """Rows [start, start + length) of a safetensors slice, still a slice: indexing it reads
+    only the rows asked for."""
+
+    def __init__(self, loaded: Loaded, start: int, length: int) -> None:
+        self.loaded, self.start, self.length = loaded, start, length
+
+    def get_shape(self) -> list[int]:
+        return [self.length, *shape_of(self.loaded)[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        begin, end, step = index[0].indices(self.length)
+        assert step == 1, "rows are read in one run"
+        return self.loaded[(slice(self.start + begin, self.start + end), *index[1:])]
+
+
+def lazy_rows(loaded: Loaded, start: int, length: int) -> Loaded:
+    """Rows [start, start + length) of `loaded`, as lazy as it is: a checkpoint tensor that
+    fuses several parameters' rows (Phi-3's qkv_proj) split into its parts, each of which a
+    tensor-parallel rank then reads its own rows of."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(0, start, length)
+    return _Rows(loaded, start, length)
+
+
 def full(loaded: Loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
@@ -45,3 +71,20 @@ def default_weight_loader(param: torch.Tensor, loaded: Loaded, shard_id: Any = N
     if shard_id is not None:
         raise ValueError(f"parameter is not stacked, got shard_id {shard_id!r}")
     copy_checked(param.data, full(loaded))
+
+
+class ExpertSlice:
+    """Rows [row0, row0 + rows) of one expert in a 3-D [E, R, C] checkpoint tensor (a tensor
+    or a safetensors slice: experts stored fused), usable wherever a 2-D `Loaded` is: it reads
+    only the part a weight loader indexes, when it indexes it."""
+
+    def __init__(self, loaded: Loaded, expert: int, row0: int, rows: int) -> None:
+        self.loaded, self.expert, self.row0, self.rows = loaded, expert, row0, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, shape_of(self.loaded)[2]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = (*index, slice(None))[:2] if isinstance(index, tuple) else (index, slice(None))
+        start, stop, _ = rows.indices(self.rows)
+        return self.loaded[self.expert, self.row0 + start : self.row0 + stop, cols]

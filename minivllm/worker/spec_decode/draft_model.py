@@ -46,6 +46,7 @@ class DraftModel:
         self.tp = tp
         self.block_size = bs = config.cache.block_size
         self.max_model_len = config.model.max_model_len
+        self.expert_parallel = config.parallel.enable_expert_parallel
         self.kv_shape = KVCacheShape(
             m.num_layers, bs, max(1, m.num_kv_heads // tp.size), m.head_dim, kv_dtype
         )
@@ -63,7 +64,10 @@ class DraftModel:
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
-        self.model = load_model(self.model_config, self.device, self.tp, self.attn_backend)
+        self.model = load_model(
+            self.model_config, self.device, self.tp, self.attn_backend,
+            expert_parallel=self.expert_parallel,
+        )  # fmt: skip
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
@@ -133,6 +137,9 @@ class DraftModel:
         seeds = meta.seeds.index_select(0, first) ^ DRAFT_SALT
         filters = [None if f is None else f.index_select(0, first) for f in meta.filters()]
         random = np.flatnonzero(batch.temperature[rows] >= GREEDY_EPS)
+        rope_rows = None  # LongRoPE: long sequences read the rotary table's long rows
+        if batch.long_rope_threshold is not None:
+            rope_rows = to_device(batch.rope_row_offset[rows], device)
         d = buffers.dev
         d.block_table[:n].copy_(to_device(batch.block_table[rows], device), non_blocking=True)
         d.query_start_loc[: n + 1].copy_(torch.arange(n + 1, device=device))
@@ -152,7 +159,7 @@ class DraftModel:
             at = torch.where(valid, position, 0)
             block = block_table.gather(1, (at // bs)[:, None]).squeeze(1)
             d.input_ids[:n] = token
-            d.positions[:n] = at
+            d.positions[:n] = at if rope_rows is None else at + rope_rows
             d.slot_mapping[:n] = torch.where(valid, block * bs + at % bs, -1)
             d.seq_lens[:n] = torch.where(valid, at + 1, 0)
             if graphs is not None:
