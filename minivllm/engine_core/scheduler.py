@@ -90,7 +90,9 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
-        self.spec = None if speculative is None else Speculator(speculative)
+        self.spec = None
+        if speculative is not None:
+            self.spec = Speculator(speculative, scheduler_config.long_rope_threshold)
         # KV slots past a step's tokens that the draft model writes while it proposes
         self.lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
         self.block_size = cache_config.block_size
@@ -184,10 +186,7 @@ class Scheduler:
             num_generated_tokens=self.num_generated_tokens,
         )
         if spec is not None:
-            stats.spec_num_drafts = spec.num_drafts
-            stats.spec_num_draft_tokens = spec.num_draft_tokens
-            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
-            stats.spec_num_accepted_tokens_per_pos = list(spec.num_accepted_tokens_per_pos)
+            spec.fill_stats(stats)
         return stats
 
     # ------------------------------------------------------------------ one step
@@ -242,8 +241,9 @@ class Scheduler:
             if placeholders and num_pending >= request.max_num_tokens:
                 continue  # the token in flight ends it by length: nothing more to compute
             num_known = num_pending - num_computed
-            num_drafts = self._drafts_that_fit(request, num_computed + num_known)
-            num_new = min(num_known + num_drafts, step.budget, max_len - num_computed)
+            num_new = min(
+                num_known + len(request.spec_token_ids), step.budget, max_len - num_computed
+            )
             if num_new <= 0:
                 continue
             if self._outgrows_short_rope(request, num_computed + num_new):
@@ -376,16 +376,6 @@ class Scheduler:
     def _outgrows_short_rope(self, request: Request, num_tokens: int) -> bool:
         threshold = self.config.long_rope_threshold
         return threshold is not None and not request.long_rope and num_tokens > threshold
-
-    def _drafts_that_fit(self, request: Request, num_tokens: int) -> int:
-        """How many of its drafts a request after `num_tokens` known tokens has verified: a
-        short LongRoPE sequence takes none past the threshold, whose KV would be rotated
-        short (its known tokens crossing it preempt it, as without drafts)."""
-        num_drafts = len(request.spec_token_ids)
-        threshold = self.config.long_rope_threshold
-        if threshold is None or request.long_rope:
-            return num_drafts
-        return max(0, min(num_drafts, threshold - num_tokens))
 
     def _settle_long_rope(self, request: Request) -> None:
         """Mark a request about to be scheduled from the waiting queue long if it is longer

@@ -4,7 +4,9 @@ next step, and vLLM's acceptance counters.
 After a step's tokens are appended to a request, `propose` gives it the drafts its next step
 verifies: the n-gram proposer's (engine_core/ngram_proposer.py), or those the draft model
 proposed in the worker right after sampling (`ModelRunnerOutput.draft_token_ids`), cut to
-what `max_tokens` leaves and to the prefix its grammar allows.
+what `max_tokens` leaves and to the prefix its grammar allows. A sequence still rotated short
+(LongRoPE) takes none past the threshold: the scheduler recomputes it long once its known
+tokens cross it, and the drafts' KV would be rotated short.
 
 With async scheduling the next step of a request may be scheduled before its last one's
 tokens are back. A step that verifies drafts returns an unknown number of them, so nothing
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 from minivllm.engine_core.ngram_proposer import NgramProposer
 from minivllm.engine_core.request import Request
+from minivllm.protocol.messages import SchedulerStats
 from minivllm.speculative_config import SpeculativeConfig
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, long_rope_threshold: int | None = None) -> None:
         self.k = config.num_speculative_tokens
+        # a short LongRoPE sequence verifies no draft past this (its KV would rotate short)
+        self.long_rope_threshold = long_rope_threshold
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self.ngram = None
         if config.method == "ngram":
@@ -39,6 +44,9 @@ class Speculator:
         """Set the drafts of a running request whose newest tokens were just appended."""
         # every output must fit max_tokens (and the context: max_num_tokens is within it)
         cap = min(self.k, request.max_num_tokens - request.num_tokens - 1)
+        threshold = self.long_rope_threshold
+        if threshold is not None and not request.long_rope:
+            cap = min(cap, threshold - request.num_tokens)
         drafts: list[int] = []
         if cap > 0:
             if self.ngram is not None:
@@ -66,6 +74,12 @@ class Speculator:
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
         return num_drafts - num_accepted
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        stats.spec_num_drafts = self.num_drafts
+        stats.spec_num_draft_tokens = self.num_draft_tokens
+        stats.spec_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_num_accepted_tokens_per_pos = list(self.num_accepted_tokens_per_pos)
 
     def forget(self, request_id: str) -> None:
         if self.ngram is not None:
