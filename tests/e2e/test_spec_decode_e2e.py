@@ -1,7 +1,8 @@
 """Speculative decoding across processes: `LLM` and `AsyncLLM` with worker processes (stop
 strings, streams), an engine-core daemon started with `--speculative-config`, tensor
-parallelism over gloo, and the real SmolLM2-135M-Instruct copying a text; the tokens are
-those without speculation (transformers' greedy ones, or the same engine's)."""
+parallelism over gloo, and the real SmolLM2-135M-Instruct copying a text (n-gram drafts, and
+a draft model of its first layers); the tokens are those without speculation (transformers'
+greedy ones, or the same engine's)."""
 
 from __future__ import annotations
 
@@ -141,27 +142,60 @@ TEXT = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores the keys and values "
     "of every token in fixed-size blocks."
 )
+DRAFT_LAYERS = 6  # of SmolLM2-135M's 30
 
 
-def test_smollm2_copies_with_ngram_speculation_under_pressure() -> None:
-    """The real SmolLM2-135M-Instruct (Q4_1 GGUF) repeating a text: n-gram drafts are
-    accepted, and the greedy tokens are transformers' on the same file, with the prompt
-    chunked, requests preempted (a KV cache of 10 blocks for two requests of 7 each) and
-    the second request's prompt served from the prefix cache."""
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF), transformers' model of the same file, and
+    a draft model: its first layers, its embedding and head, as an HF checkpoint."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf()
+    directory, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    draft = tmp_path_factory.mktemp("smollm2_draft")
+    config = model.config.to_dict()
+    config.update(num_hidden_layers=DRAFT_LAYERS, architectures=["LlamaForCausalLM"])
+    (draft / "config.json").write_text(json.dumps(config))
+    dropped = tuple(
+        f"model.layers.{i}." for i in range(DRAFT_LAYERS, model.config.num_hidden_layers)
+    )
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not k.startswith(dropped) and k != "lm_head.weight"  # tied to the embedding
+    }
+    save_file(state, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    return path, model, str(draft)
+
+
+@pytest.mark.timeout(600)  # a real model on the CPU, and transformers' model of it
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_smollm2_copies_with_speculation_under_pressure(smollm2, method: str) -> None:
+    """The real SmolLM2-135M-Instruct repeating a text, with n-gram drafts (accepted) or
+    those of a draft model of its first 6 layers (some accepted, some rejected): the greedy
+    tokens are transformers' on the same file, with the prompt chunked, requests preempted
+    (a KV cache of 10 blocks for two requests of 7 each) and the second request's prompt
+    served from the prefix cache."""
+    import torch
+
+    path, model, draft = smollm2
     messages = [
         [{"role": "user", "content": f"Repeat the following text exactly:\n\n{TEXT}"}],
         [{"role": "user", "content": f"Repeat the following text exactly:\n\n{TEXT} Twice."}],
     ]
     params = SamplingParams(temperature=0, max_tokens=40)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}  # fmt: skip
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
     llm = LLM(
         path, dtype="float32", device="cpu", distributed_executor_backend="uni",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                            "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-        max_num_batched_tokens=32, num_gpu_blocks_override=10, max_model_len=160,
+        speculative_config=spec, max_num_batched_tokens=32, num_gpu_blocks_override=10,
+        max_model_len=160,
     )  # fmt: skip
     try:
         outs = llm.chat(messages, params, use_tqdm=False)
@@ -169,11 +203,13 @@ def test_smollm2_copies_with_ngram_speculation_under_pressure() -> None:
     finally:
         llm.shutdown()
     assert "quick brown fox" in outs[0].outputs[0].text
-    assert stats["spec_num_accepted_tokens"] >= 16, stats
+    accepted, drafted = stats["spec_num_accepted_tokens"], stats["spec_num_draft_tokens"]
+    if method == "ngram":
+        assert accepted >= 16, stats
+    else:  # some drafts accepted, some rejected and rolled back
+        assert 0 < accepted < drafted, stats
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
 
-    directory, name = os.path.dirname(path), os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     for out in outs:  # each ends at the file's EOS, <|im_end|>, the reference too
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
