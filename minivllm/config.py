@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults, rope_config
+from minivllm.devices import check_gpu_sharing, resolve_device
 from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
 from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
+from minivllm.speculative_config import (
+    SpeculativeConfig,
+    check_speculative_config,
+    resolve_speculative_config,
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
@@ -183,6 +189,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
 
 
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
@@ -192,37 +199,7 @@ def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config
     return cls(**{name: getattr(args, name) for name in names}, **resolved)
 
 
-def resolve_device(device: str) -> str:
-    """'cpu', or a CUDA device: 'auto' picks CUDA when there is one; 'cuda' without one raises."""
-    if device == "cpu":
-        return device
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return device
-
-
-def _check_gpu_sharing(tp: int, dp: int, gpu_memory_utilization: float) -> None:
-    """Engine-cores beyond one per GPU share GPUs: each then takes its own fraction of a
-    device's memory, and those fractions must fit in one."""
-    import torch
-
-    count = torch.cuda.device_count()
-    if tp > count:
-        raise ValueError(f"tensor_parallel_size ({tp}) is larger than the {count} visible GPU(s)")
-    per_gpu = -(-tp * dp // count)
-    if per_gpu > 1 and gpu_memory_utilization * per_gpu > 1.0 + 1e-9:
-        raise ValueError(
-            f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) puts {per_gpu} engine-cores "
-            f"on each of the {count} GPU(s): gpu_memory_utilization is each one's share of a "
-            f"GPU and must be <= {1 / per_gpu:.3f}, got {gpu_memory_utilization}"
-        )
-
-
-def _check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
+def check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
     """A mixture of experts splits over the ranks by whole experts (expert parallelism) or
     by each expert's intermediate dimension: either must divide evenly."""
     if not model.num_experts or tp == 1:
@@ -279,6 +256,9 @@ class EngineArgs:
     quantization: str | None = None  # one of QUANTIZATION_METHODS
     generation_config: str = "auto"  # "auto", "vllm" or a directory (generation_defaults.py)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}: see
+    # speculative_config.py
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -314,6 +294,8 @@ class EngineArgs:
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.speculative_config is not None:
+            check_speculative_config(self.speculative_config)
         if self.data_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(
                 "data_parallel_size > 1 runs one engine-core process per rank: "
@@ -355,9 +337,12 @@ class EngineArgs:
         generation_defaults.log_defaults(self.generation_config, defaults)
         return defaults
 
-    def create_engine_config(self) -> EngineConfig:
-        """Read the model directory and resolve every default into frozen configs."""
-        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
+    def read_hf_config(self) -> dict[str, Any]:
+        """The model's config.json (or GGUF metadata) with `hf_overrides` over it."""
+        return {**read_hf_config(self.model), **self.hf_overrides}
+
+    def model_config(self, hf_config: dict[str, Any]) -> ModelConfig:
+        """The model's config: dtype, context length and the rest resolved from `hf_config`."""
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -365,7 +350,6 @@ class EngineArgs:
             dtype = "float32" if device == "cpu" else torch_dtype
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
-
         derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
@@ -374,14 +358,6 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the model's "
                 + ("context with its rope scaling" if scaled else "max_position_embeddings")
                 + f" ({derived_max})"
-            )
-        max_batched = self.max_num_batched_tokens
-        if max_batched is None:
-            max_batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
-        if not self.enable_chunked_prefill and max_batched < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
-                f"({max_model_len}) when enable_chunked_prefill is False"
             )
         model_cfg = _from_args(
             ModelConfig,
@@ -400,6 +376,21 @@ class EngineArgs:
             model_cfg.head_dim,
             rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
         )
+        return model_cfg
+
+    def create_engine_config(self) -> EngineConfig:
+        """Read the model directory and resolve every default into frozen configs."""
+        model_cfg = self.model_config(self.read_hf_config())
+        device = resolve_device(self.device)
+        max_model_len = model_cfg.max_model_len
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                f"({max_model_len}) when enable_chunked_prefill is False"
+            )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(
@@ -412,9 +403,9 @@ class EngineArgs:
                 f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
                 "one another"
             )
-        _check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
+        check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
         if device == "cuda" and self.distributed_executor_backend != "ray":
-            _check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
+            check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
             kv_bytes = _CPU_KV_CACHE_BYTES
@@ -426,12 +417,17 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
-                long_rope_threshold=rope_config.long_rope_threshold(hf_config, max_model_len),
+                long_rope_threshold=rope_config.long_rope_threshold(
+                    model_cfg.hf_config, max_model_len
+                ),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None
             ),
             device=_from_args(DeviceConfig, self, device=device),
+            speculative=None
+            if self.speculative_config is None
+            else resolve_speculative_config(self.speculative_config, self, model_cfg),
         )
 
     @classmethod

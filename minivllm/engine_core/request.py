@@ -98,6 +98,9 @@ class Request:
         # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
         self.structured_output = None
         self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output
+        self.spec_token_ids: list[int] = []  # drafts for its next step
+        self.spec_wanted = False  # drafts were proposed while a step was in flight: wait for it
+        self.num_drafts_in_flight = 0  # drafts the step in flight verifies
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:

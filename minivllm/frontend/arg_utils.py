@@ -69,6 +69,10 @@ HELP = {
     "a generation_config.json",
     "override_generation_config": "JSON object over the generation config, e.g. "
     "'{\"temperature\": 0.5}'",
+    "speculative_config": "speculative decoding, as a JSON object: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\'',
 }
 
 
@@ -109,7 +113,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 def _base_type(kind: typing.Any) -> type:
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        return args[0]
+        return _base_type(args[0])
     return typing.get_origin(kind) or kind
 
 

@@ -32,7 +32,7 @@ from minivllm.protocol.limits import (
 )
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class FinishReason(enum.IntEnum):
@@ -167,6 +167,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0  # cumulative
     step_counter: int = 0
     num_generated_tokens: int = 0  # cumulative
+    # speculative decoding (cumulative): verifications (requests x steps with drafts), the
+    # draft tokens they verified, those accepted, and the accepted ones by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -278,6 +284,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # leading blocks held by every running request (a shared prompt prefix): the workers
     # may attend it once for all of them (cascade attention)
     num_common_prefix_blocks: int = 0
+    # speculative decoding: req_id -> the draft tokens this step verifies after the
+    # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)); the step
+    # samples 1 + len(drafts) rows for it and returns the accepted drafts and one more token
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -287,8 +297,10 @@ class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     to sample; a step without structured outputs is sampled without it."""
 
     step_id: int
-    # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit
-    # (t % 32) of word t // 32 set means token t may be sampled; a raw frame on the wire
+    # int32 [rows, ceil(vocab_size / 32)]: bit (t % 32) of word t // 32 set means token t
+    # may be sampled; one row per sampled position of each request of
+    # `SchedulerOutput.structured_output_req_ids`, in that order (1 + its draft tokens:
+    # row j is the mask after the first j drafts); a raw frame on the wire
     bitmask: np.ndarray
 
 
@@ -297,15 +309,20 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     step_id: int
     req_ids: list[str] = []
-    # one list per request: the sampled ids, empty for a prefill chunk that samples nothing
+    # one list per request: the sampled ids, empty for a prefill chunk that samples nothing;
+    # a verification step's are its accepted draft tokens and one more (1 to 1 + drafts)
     sampled_token_ids: list[list[int]] = []
     error: str | None = None  # the step failed; the engine turns this into a dead engine
     # logprobs of the sampled tokens of the requests that asked (SamplingParams.logprobs),
-    # one row each, for the requests at logprobs_req_idx (indices into req_ids)
+    # one row per sampled token, for the requests at logprobs_req_idx (indices into
+    # req_ids), each request's rows one after another
     logprobs: LogprobsArrays | None = None
     logprobs_req_idx: list[int] = []
     # req_id -> logprobs of the prompt tokens this step's chunk predicted, in prompt order
     prompt_logprobs: dict[str, LogprobsArrays] = {}
+    # speculative decoding with a draft model: per request (as req_ids; empty if none) the
+    # draft tokens it proposes after this step's last sampled token
+    draft_token_ids: list[list[int]] = []
 
 
 class Rendezvous(msgspec.Struct, array_like=True, omit_defaults=True):

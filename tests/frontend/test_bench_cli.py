@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -161,3 +162,22 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert "the 8-field schema compiled in" in proc.stdout
     assert re.search(r"^  fill +[\d.]+ +[\d.]+$", proc.stdout, re.M), proc.stdout
     assert (tmp_path / "trace.jsonl").exists()
+
+
+def test_bench_latency_with_a_speculative_config(qwen3_dir: str, tmp_path):
+    """The target as its own draft at temperature 0: the bench prints and writes vLLM's
+    acceptance figures, every draft accepted."""
+    spec = json.dumps({"model": qwen3_dir, "num_speculative_tokens": 2})
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "latency"]
+    cmd += ["--model", qwen3_dir, "--device", "cpu", "--distributed-executor-backend", "uni"]
+    cmd += ["--batch-size", "1", "--input-len", "8", "--output-len", "9", "--temperature", "0"]
+    cmd += ["--num-iters-warmup", "1", "--num-iters", "2", "--speculative-config", spec]
+    cmd += ["--kv-cache-memory-bytes", str(50 << 20), "--output-json", str(tmp_path / "f.json")]
+    env = {**os.environ, "PYTHONPATH": _REPO}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^SpecDecoding: Mean acceptance length: 3\.00, ", proc.stdout, re.M)
+    assert "Avg Draft acceptance rate: 100.0%" in proc.stdout
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["spec_acceptance_rate"] == 100.0
+    assert figures["spec_num_draft_tokens"] == 2 * figures["spec_num_drafts"] > 0

@@ -39,6 +39,7 @@ from minivllm.frontend.bench.common import (
     add_bench_args,
     max_token_id,
     model_dir,
+    spec_decode_figures,
     start_llm,
     token_prompts,
 )
@@ -335,6 +336,7 @@ def main(args: argparse.Namespace) -> dict:
                 if "structured_outputs" in extra:
                     eos = llm.llm_engine.input_processor.eos_token_ids
                     figures["structured_outputs"] = structured.summarize(run.outputs, eos)
+            figures.update(spec_decode_figures(llm))
         finally:
             llm.shutdown()
         base_name, result = next(iter(results.items()))

@@ -82,7 +82,15 @@ class Histogram(Collector):
 class PrometheusStatLogger:
     """Sets vLLM's gauges, counters and histograms from the collector's stats."""
 
-    def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        engine_index: int = 0,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        """`num_speculative_tokens`: k of the engine's speculative decoding (0: none; its
+        counters are not exported then, as in vLLM)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
@@ -197,6 +205,11 @@ class PrometheusStatLogger:
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             tokens,
         )
+        self._counter, self._by_label = counter, by_label
+        self.spec: tuple[Counter, ...] | None = None
+        self.spec_per_pos: list[Counter] = []
+        if num_speculative_tokens:
+            self._add_spec_counters(num_speculative_tokens)
         # each finished request's `RequestStats` field of that name is observed
         self.per_request = {
             "num_prompt_tokens": histogram(
@@ -247,8 +260,34 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler.new_prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler.new_prefix_cache_hits)
             self.preemptions.inc(scheduler.new_preemptions)
+            per_pos = scheduler.new_spec_accepted_per_pos
+            if per_pos and self.spec is None:  # an engine (a daemon's) that speculates
+                self._add_spec_counters(len(per_pos))
+            if self.spec is not None and len(per_pos) == len(self.spec_per_pos):
+                drafts, draft_tokens, accepted = self.spec
+                drafts.inc(scheduler.new_spec_drafts)
+                draft_tokens.inc(scheduler.new_spec_draft_tokens)
+                accepted.inc(scheduler.new_spec_accepted_tokens)
+                for counter, n in zip(self.spec_per_pos, per_pos, strict=True):
+                    counter.inc(n)
         if iteration is not None:
             self._record_iteration(iteration)
+
+    def _add_spec_counters(self, num_speculative_tokens: int) -> None:
+        """vLLM's speculative-decoding counters (only an engine that speculates has them)."""
+        counter = self._counter
+        self.spec = (
+            counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        )
+        per_pos = self._by_label(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            position=[str(i) for i in range(num_speculative_tokens)],
+        )
+        self.spec_per_pos = list(per_pos.values())
 
     def _record_iteration(self, it: IterationStats) -> None:
         computed = it.num_prompt_tokens - it.num_cached_prompt_tokens

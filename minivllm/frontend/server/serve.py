@@ -184,7 +184,9 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
-        metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
+        spec = None if args.connect else config.speculative
+        k = 0 if spec is None else spec.num_speculative_tokens
+        metrics = PrometheusStatLogger(names[0], model_config.max_model_len, 0, k)
         loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
     engine = AsyncLLM(model_config, client, loggers, loaded)
     return ServerState(
