@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,9 +27,55 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantization methods the model loader implements: add a name here and its
-# loading in worker/, and --quantization accepts it
-QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)  # a GGUF file's, dequantized at load
+# quantized linear layers (worker/layers/quantization/): a checkpoint declares one in
+# config.json's quantization_config; "fp8" also quantizes a 16-bit one at load
+LINEAR_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
+# every --quantization the loader implements: those, and a GGUF file's (dequantized at load)
+QUANTIZATION_METHODS: tuple[str, ...] = (*LINEAR_QUANTIZATION_METHODS, "gguf")
+_FP8_DYNAMIC_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+# the quantization_config each method's tool writes (Qwen3-*-FP8, llm-compressor's
+# FP8_DYNAMIC, AutoAWQ, AutoGPTQ): what load_format="dummy" with --quantization lays out
+CHECKPOINT_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "fp8": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    },
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**_FP8_DYNAMIC_SCHEME, "dynamic": False, "strategy": "channel"},
+                "input_activations": {**_FP8_DYNAMIC_SCHEME, "strategy": "token"},
+                "output_activations": None,
+            }
+        },
+    },
+    "awq": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    },
+    "gptq": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+        "static_groups": False,
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "checkpoint_format": "gptq",
+    },
+}
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
     "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
@@ -60,6 +107,10 @@ class ModelConfig:
     generation_config: str = "auto"
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # the linear layers' quantization method (one of LINEAR_QUANTIZATION_METHODS), from the
+    # checkpoint's quantization_config, else online fp8; None: the weights are in `dtype`
+    # (a GGUF file's too: dequantized at load)
+    quantization: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -192,6 +243,43 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
 
 
+def resolve_quantization(
+    requested: str | None, hf_config: dict[str, Any], load_format: str
+) -> str | None:
+    """The quantization method the linear layers load with: the one config.json declares
+    (which `requested` must match), else `requested` -- online for "fp8"; with dummy weights
+    any method, laid out as its tool writes it (hf_config gets that quantization_config).
+    None for a GGUF file, whose weights are dequantized at load."""
+    if requested == "gguf" or load_format == "gguf":
+        return None
+    declared = hf_config.get("quantization_config")
+    supported = ", ".join(LINEAR_QUANTIZATION_METHODS)
+    if declared is not None:
+        method = str(declared.get("quant_method", "")).lower().replace("_", "-")
+        if method not in LINEAR_QUANTIZATION_METHODS:
+            raise ValueError(
+                f"the checkpoint's quantization_config.quant_method {method!r} is not "
+                f"supported (supported: {supported})"
+            )
+        if requested not in (None, method):
+            raise ValueError(
+                f"quantization={requested!r} does not match the checkpoint's quantization "
+                f"method {method!r} (config.json's quantization_config)"
+            )
+        return method
+    if requested is None:
+        return None
+    if load_format == "dummy":
+        hf_config["quantization_config"] = copy.deepcopy(CHECKPOINT_QUANTIZATION_CONFIGS[requested])
+        return requested
+    if requested != "fp8":
+        raise ValueError(
+            f"quantization={requested!r} loads checkpoints quantized with it, and config.json "
+            "has no quantization_config; only 'fp8' quantizes a 16-bit checkpoint at load"
+        )
+    return requested
+
+
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
     """A `cls` config: `resolved` values, and every other field that `args` has of that name
     (the rest keep their defaults)."""
@@ -310,10 +398,9 @@ class EngineArgs:
                 "no revisions; check out the revision into a directory and pass that as model"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            supported = ", ".join(QUANTIZATION_METHODS) or "none yet"
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported (supported: {supported}); "
-                "weights load in the checkpoint's dtype or --dtype"
+                f"quantization={self.quantization!r} is not supported (supported: "
+                f"{', '.join(QUANTIZATION_METHODS)})"
             )
         generation_defaults.check_source(self.generation_config)
         if not isinstance(self.override_generation_config, dict):
@@ -359,16 +446,18 @@ class EngineArgs:
                 + ("context with its rope scaling" if scaled else "max_position_embeddings")
                 + f" ({derived_max})"
             )
+        load_format = resolve_load_format(self.model, self.load_format, self.quantization)
         model_cfg = _from_args(
             ModelConfig,
             self,
             tokenizer=self.tokenizer or self.model,
-            load_format=resolve_load_format(self.model, self.load_format, self.quantization),
+            load_format=load_format,
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf_config,
             eos_token_ids=eos_ids(self.model, hf_config),
             default_sampling_params=self._default_sampling_params(hf_config),
+            quantization=resolve_quantization(self.quantization, hf_config, load_format),
         )
         # a layout no layer can serve fails here, not in a worker
         _ = model_cfg.sliding_windows

@@ -62,8 +62,11 @@ HELP = {
     "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral) load",
     "revision": "refused with an error: models load from local directories, which have no "
     "revisions",
-    "quantization": "weight quantization; supported: "
-    + (", ".join(QUANTIZATION_METHODS) or "none yet (an error names what is supported)"),
+    "quantization": "the weights' quantization method: "
+    + ", ".join(QUANTIZATION_METHODS)
+    + " (default: the checkpoint's quantization_config; fp8 on a 16-bit checkpoint quantizes "
+    "it at load; with --load-format dummy, random weights as that method's tool writes them; "
+    "gguf: a GGUF file's, implied by the file)",
     "generation_config": "sampling defaults for fields a request leaves unset: auto: the "
     "model's generation_config.json; vllm: vLLM's neutral defaults; or a directory holding "
     "a generation_config.json",
@@ -130,7 +133,7 @@ def _json_object(text: str) -> dict[str, typing.Any]:
 def _quantization(name: str) -> str:
     """A quantization method this engine loads; anything else is refused before any start."""
     if name not in QUANTIZATION_METHODS:
-        supported = ", ".join(QUANTIZATION_METHODS) or "none yet"
+        supported = ", ".join(QUANTIZATION_METHODS)
         raise argparse.ArgumentTypeError(f"{name!r} is not supported (supported: {supported})")
     return name
 
