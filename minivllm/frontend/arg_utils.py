@@ -43,6 +43,13 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "data_parallel_failover_limit": "a request whose engine-core dies goes on on another "
+    "(its tokens so far carried over), unless this many engine-cores have died holding it; "
+    "1: it fails with the first",
+    "data_parallel_restart": "restart a dead engine-core (same arguments, same GPUs) and "
+    "route to it again once it is ready",
+    "data_parallel_restart_backoff_s": "with --data-parallel-restart: seconds before "
+    "restarting an engine-core that died again soon after its restart, doubling each time",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
     "GGUF file's tensors, dequantized at load; dummy: random weights of its shape",
     "device": "auto: CUDA when there is a GPU, else the CPU",

@@ -161,7 +161,11 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
         # the daemon sends its model config and tokenizer, unless --tokenizer names one here
         tokenizer = args.tokenizer
         client = attach_client(
-            args.connect.split(","), curve, asynchronous=True, has_tokenizer=bool(tokenizer)
+            args.connect.split(","),
+            curve,
+            asynchronous=True,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=args.data_parallel_failover_limit,
         )
         try:
             model_config, loaded = client.attached_model(tokenizer)
@@ -184,7 +188,10 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
-        metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
+        failover = getattr(client, "failover", None)  # several engine-cores
+        metrics = PrometheusStatLogger(
+            names[0], model_config.max_model_len, failover=failover and failover.stats
+        )
         loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
     engine = AsyncLLM(model_config, client, loggers, loaded)
     return ServerState(
