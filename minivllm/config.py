@@ -82,6 +82,31 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of each sparse MLP (Qwen3-MoE's num_experts, Mixtral's
+        num_local_experts); 0 for a dense model."""
+        hf = self.hf_config
+        return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return int(self.hf_config.get("num_experts_per_tok") or 0)
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Each expert's intermediate size (Mixtral's experts have the dense one)."""
+        hf = self.hf_config
+        return int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a sparse MLP: every decoder_sparse_step-th layer
+        (1: all) except those in mlp_only_layers (Qwen3-MoE's knobs; Mixtral sets neither)."""
+        hf = self.hf_config
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = hf.get("mlp_only_layers") or ()
+        return self.num_experts > 0 and layer_idx not in dense and (layer_idx + 1) % step == 0
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -132,6 +157,9 @@ class ParallelConfig:
     # seconds a step's results may take before the engine is declared dead (None: no limit);
     # the first step, which compiles and captures, has none
     execute_timeout: float | None = None
+    # mixtures of experts: each rank holds E / tensor_parallel_size whole experts, rather
+    # than every expert sliced along its intermediate dimension
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -230,6 +258,24 @@ def _check_gpu_sharing(tp: int, dp: int, gpu_memory_utilization: float) -> None:
         )
 
 
+def _check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
+    """A mixture of experts splits over the ranks by whole experts (expert parallelism) or
+    by each expert's intermediate dimension: either must divide evenly."""
+    if not model.num_experts or tp == 1:
+        return
+    if expert_parallel and model.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number of "
+            f"experts ({model.num_experts})"
+        )
+    if not expert_parallel and model.moe_intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
+            f"({model.moe_intermediate_size}); enable_expert_parallel places whole experts "
+            "instead"
+        )
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine, with vLLM's argument names and defaults."""
@@ -256,6 +302,7 @@ class EngineArgs:
     data_parallel_failover_limit: int = 2  # engine-cores that may die under one request
     data_parallel_restart: bool = False  # restart dead engine-cores (off, as in vLLM)
     data_parallel_restart_backoff_s: float = 5.0
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     device: str = "auto"
     skip_tokenizer_init: bool = False
@@ -413,6 +460,7 @@ class EngineArgs:
                 f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
                 "one another"
             )
+        _check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
         if device == "cuda" and self.distributed_executor_backend != "ray":
             _check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
         kv_bytes = self.kv_cache_memory_bytes

@@ -23,7 +23,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Paths of tiny random checkpoints: qwen3 (tied), qwen3-untied, qwen2, llama (sharded);
     phi3 (fused qkv/gate_up, partial rotary as Phi-4-mini's, a sliding window no sequence
     outgrows), phi3-longrope (LongRoPE from 64 tokens); and scaled RoPE: qwen3-yarn (YaRN,
-    4x its original 32), llama-linear (2x its 64), llama-dynamic (NTK, factor 2)."""
+    4x its original 32), llama-linear (2x its 64), llama-dynamic (NTK, factor 2); the
+    mixtures qwen3_moe (layer 1 dense: mlp_only_layers) and mixtral (sharded)."""
     root = tmp_path_factory.mktemp("models")
     return {
         "qwen3": build_checkpoint(str(root / "qwen3"), "qwen3", tie_word_embeddings=True),
@@ -77,6 +78,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             seed=8,
             max_position_embeddings=128,
             rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        ),  # fmt: skip
+        "qwen3_moe": build_checkpoint(
+            str(root / "qwen3_moe"),
+            "qwen3_moe",
+            tie_word_embeddings=False,
+            seed=5,
+            num_layers=3,
+            mlp_only_layers=[1],
+        ),  # fmt: skip
+        "mixtral": build_checkpoint(
+            str(root / "mixtral"),
+            "mixtral",
+            tie_word_embeddings=False,
+            seed=6,
+            max_shard_size="200KB",
         ),  # fmt: skip
     }
 

@@ -38,6 +38,12 @@ def _hf_model(path: str):
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Token ids transformers' `generate` picks greedily, EOS ignored as `ignore_eos` does:
     picked like any token and not an end (`min_new_tokens` would forbid it instead)."""
+    outs = _hf_greedy(path, tuple(tuple(p) for p in prompts), max_new_tokens)
+    return [list(o) for o in outs]
+
+
+@functools.lru_cache(maxsize=32)  # several tests compare against the same generations
+def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int) -> tuple:
     model = _hf_model(path)
     outs = []
     with torch.no_grad():
@@ -49,8 +55,8 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
                 eos_token_id=None,
                 pad_token_id=0,
             )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
+            outs.append(tuple(out[0, len(p) :].tolist()))
+    return tuple(outs)
 
 
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:

@@ -54,6 +54,16 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+# the mixtures' expert geometry unless a test sets its own: top-4 of 16 experts for Qwen3-MoE,
+# Mixtral's top-2 of 8
+_MOE_DEFAULTS: dict[str, dict[str, object]] = {
+    "qwen3_moe": dict(
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -97,11 +107,17 @@ def build_checkpoint(
         bos_token_id=None,
         pad_token_id=0,
     )
-    if arch in ("qwen3", "llama", "mistral"):  # Phi-3: hidden_size / num_heads
+    if arch in (
+        "qwen3",
+        "llama",
+        "mistral",
+        "qwen3_moe",
+        "mixtral",
+    ):  # Phi-3: hidden_size / num_heads
         kwargs["head_dim"] = head_dim
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
-    config = config_cls(**kwargs, **extra_config)
+    config = config_cls(**kwargs, **{**_MOE_DEFAULTS.get(arch, {}), **extra_config})
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = model_cls(config).eval()

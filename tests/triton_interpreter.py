@@ -72,8 +72,33 @@ def _round_like_the_gpu() -> None:
     interpreter._convert_float = convert
 
 
+def _dot_bfloat16_values() -> None:
+    """Make the interpreter's tl.dot multiply bfloat16 operands by value, as the GPU's tensor
+    cores do (exactly, accumulating in float32): Triton 3.6's interpreter multiplies the
+    uint16 bit patterns it stores them as."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def as_float32(h):  # noqa: ANN001, ANN202 - triton internals
+        if h.dtype != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint32) << 16  # a bfloat16 is the top half of a float32
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return original(
+            self, as_float32(a), as_float32(b), d, input_precision, max_num_imprecise_acc
+        )
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 if __name__ == "__main__":  # python triton_interpreter.py SCRIPT ARGS...
     _patch_interpreter_scalar_index()
     _round_like_the_gpu()
+    _dot_bfloat16_values()
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

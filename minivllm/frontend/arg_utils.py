@@ -50,6 +50,8 @@ HELP = {
     "route to it again once it is ready",
     "data_parallel_restart_backoff_s": "with --data-parallel-restart: seconds before "
     "restarting an engine-core that died again soon after its restart, doubling each time",
+    "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
+    "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
     "GGUF file's tensors, dequantized at load; dummy: random weights of its shape",
     "device": "auto: CUDA when there is a GPU, else the CPU",
@@ -64,7 +66,7 @@ HELP = {
     "(processed) penalties, bias and temperature",
     "hf_overrides": "JSON object merged over the model's config.json",
     "trust_remote_code": "accepted for vLLM's command lines; no remote code is ever run: "
-    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral) load",
+    "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral) load",
     "revision": "refused with an error: models load from local directories, which have no "
     "revisions",
     "quantization": "weight quantization; supported: "

@@ -1,4 +1,5 @@
-"""Random weights of a real geometry, named and shaped as in an HF checkpoint.
+"""Random weights of a real geometry, named and shaped as in an HF checkpoint (a mixture of
+experts' experts as transformers 5 holds them, two 3-D tensors per layer).
 
 They go through the same `load_weights` path as a checkpoint, so every tensor-parallel rank
 takes its slice of the same full tensor: TP=2 computes the same model as TP=1. Each tensor
@@ -19,18 +20,31 @@ from minivllm.worker.models.llama_family import DecoderVariant
 
 def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tuple[int, ...]]:
     """Every tensor a Llama-family HF checkpoint of this geometry holds, by name."""
+    h = int(config.hf_config["hidden_size"])
+    attention, dense = _layer_shapes(config, variant), _dense_mlp_shapes(config, variant)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        mlp = _sparse_mlp_shapes(config) if config.is_moe_layer(i) else dense
+        layer = {**attention, **mlp}
+        if variant.fused_checkpoint:
+            layer = _fused(layer)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    shapes["model.norm.weight"] = (h,)
+    if not variant.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _layer_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tuple[int, ...]]:
+    """A layer's attention and norms."""
     hf = config.hf_config
     h, d = int(hf["hidden_size"]), config.head_dim
     q, kv = config.num_attention_heads * d, config.num_kv_heads * d
-    inter, vocab = int(hf["intermediate_size"]), config.vocab_size
     layer = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
@@ -40,20 +54,32 @@ def hf_weight_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, 
         )
     if variant.o_proj_bias:
         layer["self_attn.o_proj.bias"] = (h,)
-    if variant.mlp_bias:
-        layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)})
-        layer["mlp.down_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    if variant.fused_checkpoint:
-        layer = _fused(layer)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(config.num_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
-    shapes["model.norm.weight"] = (h,)
-    if not variant.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, h)
-    return shapes
+    return layer
+
+
+def _dense_mlp_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tuple[int, ...]]:
+    h, inter = int(config.hf_config["hidden_size"]), int(config.hf_config["intermediate_size"])
+    mlp = {
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    if variant.mlp_bias:
+        mlp.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)})
+        mlp["mlp.down_proj.bias"] = (h,)
+    return mlp
+
+
+def _sparse_mlp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, e = int(config.hf_config["hidden_size"]), config.num_experts
+    inter = config.moe_intermediate_size
+    return {
+        "mlp.gate.weight": (e, h),
+        "mlp.experts.gate_up_proj": (e, 2 * inter, h),
+        "mlp.experts.down_proj": (e, h, inter),
+    }
 
 
 # Phi-3's checkpoints: q/k/v rows stacked in one qkv_proj tensor, gate/up in one gate_up_proj

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -23,15 +24,18 @@ def load_model(
     device: torch.device,
     tp: TPGroup,
     attn_backend: AttentionBackend,
+    expert_parallel: bool = False,
 ) -> CausalLM:
     """The model of model_config, sharded for rank tp.rank, in model_config.dtype on device.
 
     load_format "auto" reads the HF safetensors checkpoint (one file or sharded with an
     index), each rank reading only its slices; "dummy" loads random weights of the real
     geometry the same way (see dummy_weights.py), deterministic from model_config.seed;
-    "gguf" dequantizes the tensors of a GGUF file (see gguf_loader.py).
+    "gguf" dequantizes the tensors of a GGUF file (see gguf_loader.py). With
+    expert_parallel a mixture of experts gives each rank whole experts.
     """
     model_cls, variant = resolve_architecture(model_config)
+    variant = replace(variant, expert_parallel=expert_parallel)
     dtype = getattr(torch, model_config.dtype)
     # parameters are allocated uninitialized, directly on the device, in the final dtype
     with torch.device(device):

@@ -112,7 +112,10 @@ class ModelRunner:
     def load_model(self) -> None:
         from minivllm.worker.model_loader import load_model
 
-        self.model = load_model(self.config.model, self.device, self.tp, self.attn_backend)
+        self.model = load_model(
+            self.config.model, self.device, self.tp, self.attn_backend,
+            expert_parallel=self.config.parallel.enable_expert_parallel,
+        )  # fmt: skip
         cache = self.config.cache
         if cache.fp8_kv:
             from_checkpoint = getattr(self.model, "has_kv_scales", False)

@@ -45,6 +45,7 @@ def run_core(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list
         # prompts and outputs past the original length (llama-linear: past
         # max_position_embeddings, which the scaling doubles)
         "qwen3-yarn", "llama-linear", "llama-dynamic",
+        "qwen3_moe", "mixtral",
     ],
 )  # fmt: skip
 def test_greedy_matches_transformers(tiny_models: dict[str, str], model: str) -> None:
@@ -64,7 +65,7 @@ PRESSURE = [
 ]
 
 
-@pytest.mark.parametrize("model", ["qwen3", "phi3", "qwen3-yarn"])
+@pytest.mark.parametrize("model", ["qwen3", "phi3", "qwen3-yarn", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("engine_kwargs", PRESSURE)
 def test_greedy_matches_transformers_under_pressure(
     tiny_models: dict[str, str], model: str, engine_kwargs: dict

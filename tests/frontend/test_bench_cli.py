@@ -9,8 +9,13 @@ import sys
 
 import pytest
 
-from minivllm.frontend.bench.floor import memory_floor
-from minivllm.frontend.bench.geometry import GEOMETRIES, num_parameters
+from minivllm.frontend.bench.floor import ExpertTraffic, memory_floor
+from minivllm.frontend.bench.geometry import (
+    GEOMETRIES,
+    expert_parameters,
+    num_parameters,
+    sparse_layers,
+)
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,6 +59,32 @@ def test_floor_matches_the_published_model():
     assert floor.kv_bytes / 1e12 == pytest.approx(13.87, rel=0.01)
     assert floor.weight_bytes / 1e12 == pytest.approx(1.22, rel=0.01)
     assert floor.seconds(3.02e12) == pytest.approx(5.0, rel=0.01)
+
+
+def test_moe_parameter_counts():
+    assert num_parameters(GEOMETRIES["qwen3-30b-a3b"]) == 30_532_122_624  # the card: 30.5B
+    assert num_parameters(GEOMETRIES["mixtral-8x7b"]) == 46_702_792_704  # the card: 46.7B
+    assert expert_parameters(GEOMETRIES["qwen3-30b-a3b"]) == 3 * 2048 * 768
+    assert sparse_layers(GEOMETRIES["qwen3-30b-a3b"]) == 48
+    assert sparse_layers({**GEOMETRIES["qwen3-30b-a3b"], "mlp_only_layers": [0, 5]}) == 46
+    assert sparse_layers(GEOMETRIES["qwen3-8b"]) == 0
+
+
+def test_moe_floor_reads_the_experts_a_step_routes_to():
+    # one request: every step routes its one token to k experts of each sparse layer
+    experts = ExpertTraffic(expert_bytes=100, num_experts=128, top_k=8, num_layers=2)
+    floor = memory_floor(
+        [3], [4], num_layers=2, num_kv_heads=1, head_dim=1, param_bytes=10_000 + 128 * 200,
+        experts=experts,
+    )  # fmt: skip
+    assert floor.expert_bytes == pytest.approx(4 * 8 * 100 * 2)
+    assert floor.weight_bytes == pytest.approx(4 * 10_000 + floor.expert_bytes)
+    # 256 requests decoding together touch every expert: the whole model each step
+    floor = memory_floor(
+        [3] * 256, [4] * 256, num_layers=2, num_kv_heads=1, head_dim=1,
+        param_bytes=10_000 + 128 * 200, experts=experts,
+    )  # fmt: skip
+    assert floor.weight_bytes == pytest.approx(4 * (10_000 + 128 * 200), rel=1e-6)
 
 
 def test_floor_counts_context_per_output_token():

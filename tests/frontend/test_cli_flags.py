@@ -125,6 +125,7 @@ def test_vllm_spellings_parse_into_engine_args() -> None:
         ["serve", "m", "-tp", "2", "-dp", "3", "--trust-remote-code", "--dtype", "half"]
         + ["--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}']
         + ["--disable-log-requests", "--max-num-batched-tokens", "4096", "--enforce-eager"]
+        + ["--enable-expert-parallel"]
     )
     engine = engine_args_from(args, model="m")
     assert (engine.tensor_parallel_size, engine.data_parallel_size) == (2, 3)
@@ -132,6 +133,7 @@ def test_vllm_spellings_parse_into_engine_args() -> None:
     assert engine.generation_config == "vllm"
     assert engine.override_generation_config == {"top_k": 5}
     assert engine.max_num_batched_tokens == 4096 and args.enable_log_requests is False
+    assert engine.enable_expert_parallel
 
 
 def test_the_same_names_as_llm_keywords(qwen3_dir: str) -> None:

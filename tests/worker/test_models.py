@@ -17,7 +17,7 @@ from minivllm.worker.models.llama_family import CausalLM
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
-ARCHS = ["qwen3", "qwen3-untied", "qwen2", "llama", "phi3"]
+ARCHS = ["qwen3", "qwen3-untied", "qwen2", "llama", "phi3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")

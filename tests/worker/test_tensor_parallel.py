@@ -19,16 +19,29 @@ from tests.process_helpers import spawned_children, wait_gone
 from tests.tiny_models import LONGROPE_ORIGINAL_LEN
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama", "phi3", "phi3-longrope"])
-def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "expert_parallel"),
+    [
+        ("qwen3", False),
+        ("llama", False),
+        ("phi3", False),
+        ("phi3-longrope", False),
+        ("qwen3_moe", False),  # each expert sliced along its intermediate dimension
+        ("qwen3_moe", True),  # whole experts per rank
+        ("mixtral", False),
+        ("mixtral", True),
+    ],
+)
+def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str, expert_parallel: bool) -> None:
     """Each rank takes its heads of q, k and v and its part of gate and up, from separate
-    tensors or from Phi-3's fused ones; LongRoPE switches on every rank alike."""
+    tensors or from Phi-3's fused ones; LongRoPE switches on every rank alike; a mixture's
+    experts are sliced, or placed whole per rank."""
     path = tiny_models[model]
     prompts = parity_prompts()[:5]
     if model == "phi3-longrope":  # below, across and past its switch
         prompts = longrope_prompts(LONGROPE_ORIGINAL_LEN)[1::2]
     expected = hf_greedy(path, prompts, 10)
-    llm = LLM(path, dtype="float32", tensor_parallel_size=2)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
         core = spawned_children(os.getpid())[-1]
         assert len(spawned_children(core)) == 2, "one worker process per rank"

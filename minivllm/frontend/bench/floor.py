@@ -13,11 +13,34 @@ import torch
 @dataclass(frozen=True)
 class Floor:
     kv_bytes: int  # every output token re-reads its whole KV context
-    weight_bytes: int  # every decode step re-reads all weights once
+    weight_bytes: int  # every decode step re-reads all weights once (of a MoE: those it routes to)
+    expert_bytes: int = 0  # the routed experts' share of weight_bytes
 
     def seconds(self, bandwidth: float) -> float:
         """Floor time at `bandwidth` bytes/s (bytes read + written, like a device copy)."""
         return (self.kv_bytes + self.weight_bytes) / bandwidth
+
+
+@dataclass(frozen=True)
+class ExpertTraffic:
+    """The routed experts among a model's weights: a decode step reads only the experts its
+    tokens are routed to."""
+
+    expert_bytes: int  # one expert of one layer
+    num_experts: int  # per sparse layer
+    top_k: int
+    num_layers: int  # sparse layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes * self.num_experts * self.num_layers
+
+    def step_bytes(self, num_tokens: int) -> float:
+        """Expected bytes of experts a step of num_tokens tokens reads, routed uniformly:
+        each layer reads the E (1 - (1 - k/E)^n) distinct experts its tokens pick (of
+        Qwen3-30B-A3B's 128: all at 256 tokens, 52 at 8)."""
+        e, k = self.num_experts, self.top_k
+        return e * (1 - (1 - k / e) ** num_tokens) * self.expert_bytes * self.num_layers
 
 
 def memory_floor(
@@ -29,21 +52,27 @@ def memory_floor(
     head_dim: int,
     param_bytes: int,
     kv_dtype_bytes: int = 2,
+    experts: ExpertTraffic | None = None,
 ) -> Floor:
     """Bytes a decode of this workload must read, with all requests running concurrently.
 
     The j-th output token (j = 0, 1, ...) of a request with a P-token prompt attends to P + j
     cached tokens; summed over j < O that is O*P + O*(O-1)/2. All requests decode together,
-    so there are max(output_lens) steps, each reading every weight once.
+    so there are max(output_lens) steps, each reading every weight once -- but of a mixture
+    of experts (`experts`, part of param_bytes) only the experts that step's tokens (the
+    requests still decoding) are routed to.
     """
     kv_per_token = num_layers * num_kv_heads * head_dim * 2 * kv_dtype_bytes  # K and V
     context_tokens = sum(
         o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True)
     )
-    return Floor(
-        kv_bytes=context_tokens * kv_per_token,
-        weight_bytes=max(output_lens, default=0) * param_bytes,
-    )
+    steps = max(output_lens, default=0)
+    if experts is None:
+        return Floor(kv_bytes=context_tokens * kv_per_token, weight_bytes=steps * param_bytes)
+    running = sorted(output_lens, reverse=True)  # running[i] decodes steps 0 .. running[i] - 1
+    expert_bytes = sum(experts.step_bytes(sum(1 for o in running if o > j)) for j in range(steps))
+    weight_bytes = steps * (param_bytes - experts.total_bytes) + expert_bytes
+    return Floor(context_tokens * kv_per_token, round(weight_bytes), round(expert_bytes))
 
 
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 10) -> float:

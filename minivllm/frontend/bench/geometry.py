@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from minivllm.config import ModelConfig
+
 _QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -58,6 +60,47 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
     },
 }
 
+# the mixtures of experts, as published (config.json of Qwen/Qwen3-30B-A3B and
+# mistralai/Mixtral-8x7B-v0.1)
+GEOMETRIES["qwen3-30b-a3b"] = {
+    **_QWEN3_COMMON,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+GEOMETRIES["mixtral-8x7b"] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "sliding_window": None,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 DEFAULT_GPU_GEOMETRY = "qwen3-0.6b"
 DEFAULT_CPU_GEOMETRY = "qwen3-cpu-tiny"
 
@@ -73,14 +116,43 @@ def write_geometry(name: str, out_dir: str) -> str:
 
 
 def num_parameters(cfg: dict[str, Any]) -> int:
-    """Parameters of a Llama-family decoder (Qwen3 q/k norms included, biases ignored)."""
+    """Parameters of a Llama-family decoder (Qwen3 q/k norms included, biases ignored), the
+    experts and routers of its sparse layers included."""
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    # a sparse layer holds E experts and a router in place of the dense MLP
+    per_sparse_layer = num_experts(cfg) * (expert_parameters(cfg) + hidden) - 3 * hidden * inter
+    return _dense_parameters(cfg) + sparse_layers(cfg) * per_sparse_layer
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts of each sparse layer; 0 for a dense model."""
+    return _model_config(cfg).num_experts
+
+
+def expert_parameters(cfg: dict[str, Any]) -> int:
+    """Parameters of one expert of one sparse layer (gate, up, down)."""
+    return 3 * int(cfg["hidden_size"]) * _model_config(cfg).moe_intermediate_size
+
+
+def sparse_layers(cfg: dict[str, Any]) -> int:
+    """Layers whose MLP is a mixture of experts."""
+    model = _model_config(cfg)
+    return sum(model.is_moe_layer(i) for i in range(model.num_layers))
+
+
+def _model_config(cfg: dict[str, Any]) -> ModelConfig:
+    """The geometry read as the engine reads it (which layers are sparse, how many experts)."""
+    return ModelConfig("", "", "float32", 1, 0, "dummy", cfg, ())
+
+
+def _dense_parameters(cfg: dict[str, Any]) -> int:
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     inter = int(cfg["intermediate_size"])
     vocab = int(cfg["vocab_size"])
-    qk_norm = 2 * head_dim if cfg.get("model_type") == "qwen3" else 0
+    qk_norm = 2 * head_dim if cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0
     per_layer = (
         hidden * (heads + 2 * kv_heads) * head_dim  # q, k, v
         + heads * head_dim * hidden  # o

@@ -5,7 +5,7 @@ Decode attention runs over a bf16 and an FP8 KV cache (the FP8 dots in float16, 
 engine runs them, and in bfloat16), with the bytes of KV each call must read over its time
 (TB/s: the H100's device copy runs at ~3.0); cascade attention against plain decode
 attention on the shared-prefix shape (256 sequences sharing 2,048 tokens); prefill
-attention; the sampler; the fused small ops.
+attention; the sampler; the fused small ops; the fused MoE layer (moe_kernels.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from minivllm.frontend.bench.moe_kernels import bench_moe
+
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DEV = "cuda"
 rows: list[tuple[str, str, float, str]] = []
@@ -24,7 +26,7 @@ rows: list[tuple[str, str, float, str]] = []
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only",
-        choices=["attention", "sampler", "ops"],
+        choices=["attention", "sampler", "ops", "moe"],
         default=None,
         help="one group of kernels (default: all)",
     )
@@ -306,6 +308,7 @@ def main(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
         "attention": (bench_decode, bench_cascade, bench_prefill),
         "sampler": (bench_sampler,),
         "ops": (bench_ops,),
+        "moe": (lambda: bench_moe(rows, bench),),
     }
     for name, fns in groups.items():
         if args.only in (None, name):

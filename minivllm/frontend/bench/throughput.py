@@ -42,8 +42,12 @@ from minivllm.frontend.bench.common import (
     start_llm,
     token_prompts,
 )
-from minivllm.frontend.bench.floor import measure_copy_bandwidth, memory_floor
-from minivllm.frontend.bench.geometry import num_parameters
+from minivllm.frontend.bench.floor import ExpertTraffic, measure_copy_bandwidth, memory_floor
+from minivllm.frontend.bench.geometry import (
+    expert_parameters,
+    num_parameters,
+    sparse_layers,
+)
 from minivllm.frontend.bench.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
@@ -207,6 +211,14 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
     if config.cache.kv_cache_dtype != "auto":
         kv_kinds.reverse()
     figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
+    experts = None
+    if model.num_experts:
+        experts = ExpertTraffic(
+            expert_parameters(model.hf_config) * dtype_bytes,
+            model.num_experts,
+            model.num_experts_per_tok,
+            sparse_layers(model.hf_config),
+        )
     for name, elem in kv_kinds:
         floor = memory_floor(
             [len(p) for p in workload.prompts],
@@ -216,18 +228,21 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
             head_dim=model.head_dim,
             param_bytes=num_parameters(model.hf_config) * dtype_bytes,
             kv_dtype_bytes=elem,
+            experts=experts,
         )
         floor_s = floor.seconds(bandwidth)
         pct = 100 * floor_s / r.elapsed_s
+        of_experts = f" (experts routed to: {floor.expert_bytes / 1e12:.2f} TB)" if experts else ""
         print(
             f"Memory-traffic floor, {name} KV: {floor.kv_bytes / 1e12:.2f} TB KV + "
-            f"{floor.weight_bytes / 1e12:.2f} TB weights -> {floor_s:.2f} s = "
+            f"{floor.weight_bytes / 1e12:.2f} TB weights{of_experts} -> {floor_s:.2f} s = "
             f"{r.output_tokens / floor_s:.0f} output tok/s; this run: {pct:.1f}% of it"
         )
         if "floor_s" not in figures:  # the floor of the KV dtype this run used
             figures.update(
                 floor_kv_bytes=floor.kv_bytes,
                 floor_weight_bytes=floor.weight_bytes,
+                floor_expert_bytes=floor.expert_bytes,
                 floor_s=floor_s,
                 percent_of_floor=pct,
             )

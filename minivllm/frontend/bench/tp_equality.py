@@ -29,6 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts generated")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens of each")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="only the geometry's first N layers (fp32 of a large model on one GPU)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixtures of experts: whole experts per rank at TP > 1",
+    )
 
 
 def main(args: argparse.Namespace) -> bool:
@@ -53,6 +64,8 @@ def main(args: argparse.Namespace) -> bool:
                 max_model_len=1024,
                 device=args.device,
                 enforce_eager=args.enforce_eager,
+                enable_expert_parallel=args.enable_expert_parallel,
+                hf_overrides={"num_hidden_layers": args.num_layers} if args.num_layers else {},
             )
             outs = llm.generate(prompts, params, use_tqdm=False)
             llm.shutdown()

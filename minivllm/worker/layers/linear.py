@@ -203,3 +203,19 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.rank_bias)
         return self.tp.all_reduce(y) if self.reduce_results else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with all of W on every rank (a mixture-of-experts router): no sharding, no
+    communication."""
+
+    def __init__(
+        self, input_size: int, output_size: int, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = _param(
+            output_size, input_size, dtype=params_dtype, loader=default_weight_loader
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)

@@ -71,3 +71,20 @@ def default_weight_loader(param: torch.Tensor, loaded: Loaded, shard_id: Any = N
     if shard_id is not None:
         raise ValueError(f"parameter is not stacked, got shard_id {shard_id!r}")
     copy_checked(param.data, full(loaded))
+
+
+class ExpertSlice:
+    """Rows [row0, row0 + rows) of one expert in a 3-D [E, R, C] checkpoint tensor (a tensor
+    or a safetensors slice: experts stored fused), usable wherever a 2-D `Loaded` is: it reads
+    only the part a weight loader indexes, when it indexes it."""
+
+    def __init__(self, loaded: Loaded, expert: int, row0: int, rows: int) -> None:
+        self.loaded, self.expert, self.row0, self.rows = loaded, expert, row0, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, shape_of(self.loaded)[2]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = (*index, slice(None))[:2] if isinstance(index, tuple) else (index, slice(None))
+        start, stop, _ = rows.indices(self.rows)
+        return self.loaded[self.expert, self.row0 + start : self.row0 + stop, cols]

@@ -1,11 +1,14 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Phi-4).
+"""One decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Phi-4), and the
+mixtures of experts built on them, Qwen3-MoE and Mixtral.
 
 They share pre-norm blocks of GQA attention with rotary embeddings and a SwiGLU MLP; what
 differs is a `DecoderVariant`: Qwen2 adds a bias to q/k/v, Qwen3 RMS-normalizes each
 query/key head before the rotation, Phi-3 stores q/k/v and gate/up fused in its checkpoint
-(its partial rotary and LongRoPE are the rotary table's: layers/rotary.py). Parameter names
-follow HF's, except that q/k/v and gate/up are stacked into `qkv_proj` and `gate_up_proj`
-so each is one matmul (Phi-3's own names).
+(its partial rotary and LongRoPE are the rotary table's: layers/rotary.py). In Qwen3-MoE and
+Mixtral the MLP of the layers that `ModelConfig.is_moe_layer` names is a router and routed
+experts (models/sparse_moe.py). Parameter names follow HF's, except that q/k/v and gate/up
+are stacked into `qkv_proj` and `gate_up_proj` so each is one matmul (Phi-3's own names),
+and each layer's experts into two 3-D tensors.
 
 Where one kernel does the work of several, the model calls that fused op by name
 (layers/fused.py, which decides when the kernel can run): each norm runs inside the
@@ -43,6 +46,7 @@ from minivllm.worker.layers.linear import (
 from minivllm.worker.layers.norm import RMSNorm
 from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded, default_weight_loader
+from minivllm.worker.models.sparse_moe import SparseMoeBlock, moe_targets
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class DecoderVariant:
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix
     # the checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
     fused_checkpoint: bool = False
+    norm_topk_prob: bool = False  # MoE: top-k routing weights renormalized to sum to 1
+    # MoE: each rank holds whole experts (EngineArgs.enable_expert_parallel) rather than a
+    # slice of every expert; not of the checkpoint but of the engine (load_model sets it)
+    expert_parallel: bool = False
 
     def for_checkpoint(self, hf_config: dict[str, Any]) -> DecoderVariant:
         """This architecture's variant with the knobs of a checkpoint's config.json."""
@@ -72,6 +80,7 @@ class DecoderVariant:
             o_proj_bias=self.o_proj_bias or (attention_bias and not self.qkv_bias),
             mlp_bias=self.mlp_bias or bool(hf_config.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            norm_topk_prob=self.norm_topk_prob or bool(hf_config.get("norm_topk_prob", False)),
         )
 
 
@@ -174,7 +183,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
         )
-        self.mlp = MLP(config, variant, tp, params_dtype)
+        self.mlp = (
+            SparseMoeBlock(config, variant, tp, params_dtype)
+            if config.is_moe_layer(layer_idx)
+            else MLP(config, variant, tp, params_dtype)
+        )
         self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
 
@@ -189,9 +202,11 @@ class DecoderLayer(nn.Module):
             hidden, residual, self.input_layernorm, attn.qkv_proj, self.tp
         )
         hidden = attn(positions, qkv)
-        gate_up, residual = rms_norm_linear(
-            hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, self.tp
-        )
+        norm = self.post_attention_layernorm
+        if isinstance(mlp, SparseMoeBlock):  # the router and the experts read the normed rows
+            x, residual = all_reduce_add_rms_norm(hidden, residual, norm, self.tp)
+            return mlp(x), residual
+        gate_up, residual = rms_norm_linear(hidden, residual, norm, mlp.gate_up_proj, self.tp)
         return mlp(gate_up), residual
 
 
@@ -283,7 +298,9 @@ class CausalLM(nn.Module):
         Raises ValueError naming every checkpoint weight with no parameter, and every
         parameter (or stacked shard of one) the checkpoint did not provide."""
         params = dict(self.named_parameters())
-        expected = {name: _shards_of(name) for name in params}
+        expected = {
+            name: getattr(p, "shards", None) or _shards_of(name) for name, p in params.items()
+        }
         loaded: dict[str, set] = {name: set() for name in params}
         unexpected = []
         kv_scales = KVScaleLoader(self)
@@ -292,21 +309,18 @@ class CausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints still store it
-            name, shard_id = hf_name, None
-            for hf_part, part, sid in _STACKED:
-                if hf_part in hf_name:
-                    name, shard_id = hf_name.replace(hf_part, part), sid
-                    break
-            param = params.get(name)
-            if param is None:
+            targets = _checkpoint_targets(hf_name, tensor)
+            if targets[0][0] not in params:
                 unexpected.append(hf_name)
                 continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"{hf_name}: {e}") from e
-            loaded[name].update(expected[name] if shard_id is None else (shard_id,))
+            for name, shard_id, part in targets:
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, part, shard_id)
+                except ValueError as e:
+                    raise ValueError(f"{hf_name}: {e}") from e
+                loaded[name].update(expected[name] if shard_id is None else (shard_id,))
         missing = sorted(
             f"{name}[{shard}]" if shard is not None else name
             for name, shards in expected.items()
@@ -318,6 +332,19 @@ class CausalLM(nn.Module):
                 f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
             )
         self.has_kv_scales = kv_scales.finish()
+
+
+def _checkpoint_targets(hf_name: str, tensor: Loaded) -> list[tuple[str, object, Loaded]]:
+    """(parameter name, shard id, tensor) for each parameter (part) the checkpoint tensor
+    fills: an expert weight or the router of a sparse MLP, a stacked shard, or one parameter
+    of the same name."""
+    targets = moe_targets(hf_name, tensor)
+    if targets is not None:
+        return targets
+    for hf_part, part, sid in _STACKED:
+        if hf_part in hf_name:
+            return [(hf_name.replace(hf_part, part), sid, tensor)]
+    return [(hf_name, None, tensor)]
 
 
 def _shards_of(param_name: str) -> set:

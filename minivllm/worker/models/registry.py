@@ -11,6 +11,8 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "MistralForCausalLM": (CausalLM, DecoderVariant()),
     "Qwen2ForCausalLM": (CausalLM, DecoderVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "Qwen3MoeForCausalLM": (CausalLM, DecoderVariant(qk_norm=True)),
+    "MixtralForCausalLM": (CausalLM, DecoderVariant(norm_topk_prob=True)),
     # Phi-3 and Phi-4 (Phi-4-mini too); resid_pdrop and the other dropouts are training's
     "Phi3ForCausalLM": (CausalLM, DecoderVariant(fused_checkpoint=True)),
     "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
@@ -37,7 +39,7 @@ def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVa
 
 # architectures whose config's sliding_window applies without use_sliding_window (Qwen2's
 # switch); Phi-3-mini-4k sets 2047, the long Phi-3 variants and Phi-4 more than they run
-_SLIDING_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM")
+_SLIDING_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 
 def check_sliding_window(config: ModelConfig) -> None:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Mixtures of experts on GPUs, in one call, most important first:
+#   bash benchmarks/moe_gpu.sh [tests] [kernels] [qwen3] [tp2] [ep2] [equality] [mixtral]
+# (no arguments: tests kernels qwen3, then tp2 ep2 equality where there are 2 GPUs).
+# tests: the MoE GPU tests (kernels against the torch loop at real sizes, fp32 tokens against
+# transformers, CUDA graphs against eager); kernels: `bench kernels --only moe`; qwen3: the
+# reference workload on the Qwen3-30B-A3B geometry against its floor (one GPU); tp2 / ep2:
+# the same on 2 GPUs, experts sliced by TP or whole per rank; equality: greedy tokens equal
+# at TP 1 and 2, and under EP (fp32, the geometry's first 8 layers); mixtral: Mixtral-8x7B
+# (an H200, or 2 GPUs: MIXTRAL_TP=2). Output goes to $OUT/log.txt, a summary last; a step
+# starts only while less than $BUDGET_S seconds (default 540) have passed.
+set -u
+OUT=${OUT:-/tmp/minivllm-moe}
+BUDGET_S=${BUDGET_S:-540}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+B="python -m minivllm.frontend.cli bench"
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+STEPS=("$@")
+if [ ${#STEPS[@]} -eq 0 ]; then
+    STEPS=(tests kernels qwen3)
+    [ "$GPUS" -ge 2 ] && STEPS+=(tp2 ep2 equality)
+fi
+START=$SECONDS
+
+run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
+    local name=$1 limit=$2
+    shift 2
+    if (( SECONDS - START > BUDGET_S )); then
+        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
+        return
+    fi
+    echo "== $name: $*" | tee -a "$LOG"
+    local t=$SECONDS
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
+git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+for step in "${STEPS[@]}"; do
+    case $step in
+    tests) run tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/worker/test_fused_moe_ops.py tests/worker/test_gpu_moe.py ;;
+    kernels) run kernels 200 $B kernels --only moe ;;
+    qwen3) run qwen3 300 $B throughput --geometry qwen3-30b-a3b --output-json "$OUT/qwen3.json" ;;
+    tp2) run tp2 300 $B throughput --geometry qwen3-30b-a3b -tp 2 --output-json "$OUT/tp2.json" ;;
+    ep2) run ep2 300 $B throughput --geometry qwen3-30b-a3b -tp 2 --enable-expert-parallel \
+        --output-json "$OUT/ep2.json" ;;
+    equality)
+        for ep in "" --enable-expert-parallel; do
+            run "tp-equality $ep" 200 $B tp-equality --geometry qwen3-30b-a3b --num-layers 8 \
+                --dtype float32 --tp-sizes 1 2 $ep
+        done ;;
+    mixtral) run mixtral 400 $B throughput --geometry mixtral-8x7b -tp "${MIXTRAL_TP:-1}" \
+        --output-json "$OUT/mixtral.json" ;;
+    esac
+done
+
+echo "======== summary ($((SECONDS - START)) s)"
+grep -E "^== |passed|failed|Error|Throughput:|floor, |Elapsed|fused_moe|tokens equal|IDENTICAL|DIFFERENT" \
+    "$LOG" | grep -v "^== .*: python\|^== .*: timeout" | cut -c1-220
