@@ -111,6 +111,8 @@ class DPSyncClient(EngineCoreGroup, EngineCoreClient):
                     self._on_death(e, err)
 
     def call_utility(self, method: UtilityMethod) -> Any:
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
         results = []
         for e in self.router.alive():
             try:
@@ -119,6 +121,8 @@ class DPSyncClient(EngineCoreGroup, EngineCoreClient):
                 self._on_death(e, err)
         if not self.router.alive():
             raise self._dead_engine_error()
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
         return combine(method, results)
 
 
@@ -240,6 +244,8 @@ class DPAsyncClient(EngineCoreGroup):
 
     async def call_utility_async(self, method: UtilityMethod) -> Any:
         self._ensure_started()
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
         alive = self.router.alive()
         results = await asyncio.gather(
             *(self.clients[e].call_utility_async(method) for e in alive), return_exceptions=True
@@ -254,6 +260,8 @@ class DPAsyncClient(EngineCoreGroup):
                 ok.append(result)
         if not self.router.alive():
             raise self._dead_engine_error()
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
         return combine(method, ok)
 
     def shutdown(self) -> None:

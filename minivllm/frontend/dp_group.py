@@ -9,7 +9,8 @@ caller's stream goes on as if nothing happened. A request fails, with
 every core is. Outputs a dead core had sent are delivered before its continuations go
 out; anything later from it is dropped, so no token is repeated or missing. With
 `data_parallel_restart`, a dead core this frontend spawned is started again
-(`dp_restart.py`) and routed to once ready.
+(`dp_restart.py`) and routed to once ready. `check_health` raises while any core is dead
+(restarting or not), naming it, though the others serve.
 """
 
 from __future__ import annotations
@@ -192,6 +193,19 @@ class EngineCoreGroup:
             f"{len(failed)} of its requests fail: {why}"
         )
         return moves, EngineCoreDeadError(message, engine, failed)
+
+    def health_error(self) -> EngineDeadError | None:
+        """An error naming every dead core (restarting or not), or None while all live."""
+        dead = self.router.dead
+        if not dead:
+            return None
+        named = "; ".join(
+            f"engine-core {e} ({self.addresses[e]}): {why}" for e, why in dead.items()
+        )
+        return EngineDeadError(
+            f"{len(dead)} of {len(self.clients)} engine-cores dead, "
+            f"{len(self.clients) - len(dead)} serving: {named}"
+        )
 
     def _dead_engine_error(self) -> EngineDeadError:
         named = "; ".join(
