@@ -132,7 +132,12 @@ def _run_engine_core(args: argparse.Namespace) -> None:
         # its clients run in other directories, or on other hosts
         config = engine_args_from(args, **absolute_paths(args)).create_engine_config()
         parallel = config.parallel
-        if parallel.data_parallel_size > 1 or parallel.data_parallel_restart:
+        if parallel.data_parallel_restart:
+            raise ValueError(
+                "--data-parallel-restart is for a frontend that starts its engine-cores; "
+                "a daemon is restarted by whatever runs it"
+            )
+        if parallel.data_parallel_size > 1:
             raise ValueError(
                 "a daemon is one engine-core; for data parallelism start one per rank and "
                 "attach with AsyncLLM.connect([ADDRESS, ...]) or serve --connect A,B"

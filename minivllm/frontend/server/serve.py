@@ -158,15 +158,23 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
                 curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
             except (TypeError, ValueError) as e:
                 raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
+        if args.data_parallel_restart:
+            raise SystemExit(
+                "minivllm serve: --data-parallel-restart restarts the engine-cores serve "
+                "starts; with --connect, restart the daemons where they run"
+            )
         # the daemon sends its model config and tokenizer, unless --tokenizer names one here
         tokenizer = args.tokenizer
-        client = attach_client(
-            args.connect.split(","),
-            curve,
-            asynchronous=True,
-            has_tokenizer=bool(tokenizer),
-            failover_limit=args.data_parallel_failover_limit,
-        )
+        try:
+            client = attach_client(
+                args.connect.split(","),
+                curve,
+                asynchronous=True,
+                has_tokenizer=bool(tokenizer),
+                failover_limit=args.data_parallel_failover_limit,
+            )
+        except ValueError as e:
+            raise SystemExit(f"minivllm serve: {e}") from None
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
