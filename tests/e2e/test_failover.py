@@ -172,7 +172,6 @@ def test_async_streams_move_within_a_second_and_the_core_restarts(qwen3_dir: str
     finally:
         llm.shutdown()
     assert streamed == expected and again == expected
-    print("WAITS", waits)
     assert held and max(waits) < 1.0, waits
     assert client.failover.stats.moved == [len(held), 0]
     assert client.failover.stats.restarts == [1, 0]
