@@ -1,6 +1,7 @@
-"""Failover over daemons attached with `AsyncLLM.connect([a, b, c])`: SIGKILL the daemon
-under some streams and they go on on the others with every token; a request whose second
-daemon dies too fails with an error that names both, while the rest finish."""
+"""Several daemons behind one client (`AsyncLLM.connect([a, b, c])`, `LLM.connect`): requests
+spread over them; SIGKILL the daemon under some streams and they go on on the others with
+every token; a request whose second daemon dies too fails with an error that names both,
+while the rest finish. The three daemons serve the whole module: the last test kills two."""
 
 from __future__ import annotations
 
@@ -11,23 +12,24 @@ import time
 import pytest
 import uvloop
 
-from minivllm import AsyncLLM, RequestOutputKind, SamplingParams
+from minivllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from minivllm.exceptions import EngineCoreDeadError
-from tests.e2e.daemon import Daemon, null_tokens
+from tests.e2e.daemon import Daemon, greedy, null_tokens
 from tests.tiny_models import build_null_checkpoint
 
 MAX_TOKENS = 3000
 NUM_STREAMS = 6
 
 
-@pytest.fixture
-def daemons(tmp_path):
-    model = build_null_checkpoint(str(tmp_path / "null"))
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    root = tmp_path_factory.mktemp("daemons")
+    model = build_null_checkpoint(str(root / "null"))
     started = [
         Daemon(
             model,
-            f"ipc://{tmp_path}/engine{i}",
-            str(tmp_path / f"daemon{i}.log"),
+            f"ipc://{root}/engine{i}",
+            str(root / f"daemon{i}.log"),
             "--distributed-executor-backend",
             "uni",  # no worker process: a quicker start
         )
@@ -42,12 +44,36 @@ def daemons(tmp_path):
             d.stop()
 
 
+def test_requests_spread_over_connected_daemons(daemons: list[Daemon]) -> None:
+    llm = AsyncLLM.connect([d.address for d in daemons])
+    streams = _Streams(llm, max_tokens=20)
+    try:
+        uvloop.run(streams.run())
+        assert all(b["requests"] >= 1 for b in llm.client.balance()), "each daemon serves"
+    finally:
+        llm.shutdown()
+    assert streams.errors == {}
+    for i in range(NUM_STREAMS):
+        assert streams.tokens(f"s{i}") == null_tokens(3 + i, 20), f"s{i}"
+    sync = LLM.connect([d.address for d in daemons])
+    try:
+        outs = sync.generate([[1, 2, 3]] * 4, greedy(5), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [null_tokens(3, 5)] * 4
+        time.sleep(4)  # idle longer than a silent engine is given: the heartbeats waited
+        out = sync.generate([1, 2, 3], greedy(5), use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == null_tokens(3, 5)
+    finally:
+        sync.shutdown()
+    assert all(d.proc.poll() is None for d in daemons), "the daemons outlive their clients"
+
+
 class _Streams:
     """NUM_STREAMS greedy streams of distinct prompt lengths; per stream the (arrival time,
     token) pairs it got, and the exception it ended with, if any."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, max_tokens: int = MAX_TOKENS) -> None:
         self.llm = llm
+        self.max_tokens = max_tokens
         self.arrivals: dict[str, list[tuple[float, int]]] = {}
         self.errors: dict[str, BaseException] = {}
 
@@ -59,7 +85,7 @@ class _Streams:
         got = self.arrivals.setdefault(rid, [])
         params = SamplingParams(
             temperature=0.0,
-            max_tokens=MAX_TOKENS,
+            max_tokens=self.max_tokens,
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -86,6 +112,7 @@ class _Streams:
 def test_connected_daemons_fail_over_and_a_request_fails_on_its_second_death(
     daemons: list[Daemon], caplog
 ) -> None:
+    assert all(d.proc.poll() is None for d in daemons)
     llm = AsyncLLM.connect([d.address for d in daemons])
     streams = _Streams(llm)
 
