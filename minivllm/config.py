@@ -358,6 +358,11 @@ class EngineArgs:
             raise ValueError(
                 f"data_parallel_restart_backoff_s must be a number of seconds >= 0, got {backoff!r}"
             )
+        if self.data_parallel_restart and self.data_parallel_size == 1:
+            raise ValueError(
+                "data_parallel_restart restarts a dead engine-core of several: it needs "
+                "data_parallel_size > 1"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -129,14 +129,14 @@ def _run_engine_core(args: argparse.Namespace) -> None:
             curve = CurveServerKeys.load(args.curve_secret_key, args.curve_clients)
         for address in (input_address, output_address):
             check_listen_address(address, curve)
-        # its clients run in other directories, or on other hosts
-        config = engine_args_from(args, **absolute_paths(args)).create_engine_config()
-        parallel = config.parallel
-        if parallel.data_parallel_restart:
+        if args.data_parallel_restart:
             raise ValueError(
                 "--data-parallel-restart is for a frontend that starts its engine-cores; "
                 "a daemon is restarted by whatever runs it"
             )
+        # its clients run in other directories, or on other hosts
+        config = engine_args_from(args, **absolute_paths(args)).create_engine_config()
+        parallel = config.parallel
         if parallel.data_parallel_size > 1:
             raise ValueError(
                 "a daemon is one engine-core; for data parallelism start one per rank and "

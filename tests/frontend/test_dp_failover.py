@@ -67,6 +67,7 @@ def test_failover_off_fails_with_the_first_death() -> None:
     [
         ("data_parallel_failover_limit", 0, "data_parallel_failover_limit must be a positive"),
         ("data_parallel_restart_backoff_s", -1.0, "data_parallel_restart_backoff_s must be a"),
+        ("data_parallel_restart", True, "data_parallel_restart restarts a dead engine-core of"),
     ],
 )
 def test_bad_failover_settings_are_refused(field: str, value: object, message: str) -> None:
