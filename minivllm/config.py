@@ -214,6 +214,13 @@ class ParallelConfig:
     data_parallel_rank: int = 0  # which of them this config starts
     # CUDA_VISIBLE_DEVICES of this engine-core's workers (a data-parallel slice); None: inherit
     visible_devices: str | None = None
+    # failover (frontend/dp_failover.py): a request whose engine-core dies goes on on another
+    # one, unless this many engine-cores have died holding it (1: it fails with the first)
+    data_parallel_failover_limit: int = 2
+    # restart a dead engine-core (frontend/dp_restart.py), waiting this back-off (doubling)
+    # before each restart of one that died again soon after the last
+    data_parallel_restart: bool = False
+    data_parallel_restart_backoff_s: float = 5.0
     # seconds a step's results may take before the engine is declared dead (None: no limit);
     # the first step, which compiles and captures, has none
     execute_timeout: float | None = None
@@ -328,6 +335,9 @@ class EngineArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_failover_limit: int = 2  # engine-cores that may die under one request
+    data_parallel_restart: bool = False  # restart dead engine-cores (off, as in vLLM)
+    data_parallel_restart_backoff_s: float = 5.0
     enable_expert_parallel: bool = False
     load_format: str = "auto"
     device: str = "auto"
@@ -358,7 +368,13 @@ class EngineArgs:
         self._check_vllm_spellings()
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "block_size",
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "data_parallel_failover_limit",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -375,6 +391,16 @@ class EngineArgs:
             raise ValueError(
                 f"execute_timeout must be a number of seconds >= 0 (0: no limit), "
                 f"got {self.execute_timeout!r}"
+            )
+        backoff = self.data_parallel_restart_backoff_s
+        if not isinstance(backoff, (int, float)) or not backoff >= 0:
+            raise ValueError(
+                f"data_parallel_restart_backoff_s must be a number of seconds >= 0, got {backoff!r}"
+            )
+        if self.data_parallel_restart and self.data_parallel_size == 1:
+            raise ValueError(
+                "data_parallel_restart restarts a dead engine-core of several: it needs "
+                "data_parallel_size > 1"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -122,7 +122,8 @@ class EngineCore:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
             check_request(request, self.config.model)
-            self.scheduler.check_admission(request.request_id, len(request.prompt_token_ids))
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            self.scheduler.check_admission(request.request_id, num_tokens)
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             structured = request.sampling_params.structured_outputs
             if structured is not None:

@@ -104,8 +104,10 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:
-        """Without a user seed, the sample seed is derived from `engine_seed` and the id."""
-        return cls(
+        """Without a user seed, the sample seed is derived from `engine_seed` and the id. A
+        continuation's output so far becomes its output, as a preempted request keeps its
+        own: computed again with the prompt before the next token is sampled."""
+        request = cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -114,6 +116,10 @@ class Request:
             client_id=req.client_id,
             sample_seed=derive_seed(engine_seed, req.request_id),
         )
+        if req.output_token_ids:
+            request.output_token_ids = list(req.output_token_ids)
+            request.all_token_ids.extend(req.output_token_ids)
+        return request
 
     def record_event(self, event_type: EngineCoreEventType) -> None:
         self.events.append(EngineCoreEvent(event_type, time.time()))

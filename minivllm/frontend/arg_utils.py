@@ -43,6 +43,13 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "data_parallel_failover_limit": "a request whose engine-core dies goes on on another "
+    "(its tokens so far carried over), unless this many engine-cores have died holding it; "
+    "1: it fails with the first",
+    "data_parallel_restart": "restart a dead engine-core (same arguments, same GPUs) and "
+    "route to it again once it is ready",
+    "data_parallel_restart_backoff_s": "with --data-parallel-restart: seconds before "
+    "restarting an engine-core that died again soon after its restart, doubling each time",
     "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
     "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "

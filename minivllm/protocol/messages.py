@@ -25,6 +25,7 @@ from minivllm.protocol.limits import (
     AllStopTokenIds,
     EosTokenIds,
     ModelConfigBytes,
+    OutputTokenIds,
     PromptTokenIds,
     RequestId,
     TokenizerFileData,
@@ -86,7 +87,13 @@ def _pad(a: np.ndarray, width: int, value: float) -> np.ndarray:
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tokenized, validated request. `request_id` is the engine-internal unique id.
-    Sizes are bounded on decode (see limits.py); the engine-core checks max_model_len next."""
+    Sizes are bounded on decode (see limits.py); the engine-core checks max_model_len next.
+
+    A continuation (failover: the request ran on an engine-core that died) carries the
+    tokens it already produced in `output_token_ids`; the engine-core takes them as
+    *outputs*, as after a preemption: they are computed again with the prompt, count
+    towards max_tokens and min_tokens, feed the penalties and the grammar, and the next
+    token is sampled at the position (and so with the random numbers) it had."""
 
     request_id: RequestId
     prompt_token_ids: PromptTokenIds
@@ -94,6 +101,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: EosTokenIds = []
     arrival_time: float = 0.0
     client_id: int = 0  # filled in by the engine-core from the sending socket
+    output_token_ids: OutputTokenIds = []  # a continuation's output so far; else empty
 
 
 class Abort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

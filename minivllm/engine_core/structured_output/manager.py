@@ -5,7 +5,8 @@ request, and each step's token bitmask.
                   a miss is compiled on a thread pool. The request waits in the scheduler's
                   queue meanwhile, skipped, never holding back the requests behind it.
     poll          (each step) requests whose grammar is done get a matcher, and can be
-                  scheduled; one whose grammar failed ends with its error.
+                  scheduled; one whose grammar failed ends with its error. A continuation's
+                  matcher first takes the output it carries.
     accept        (scheduler.update_from_output) a request's new tokens advance its matcher,
                   so the matcher has always taken exactly the output tokens received.
     fill_bitmask  one packed int32 row per constrained request of a step: bit t set = token
@@ -193,6 +194,10 @@ class StructuredOutputManager:
                 except Exception as e:
                     self._grammars.pop(state.spec, None)  # a later request may try again
                     failed.append((req_id, f"structured_outputs: {e}"))
+                    continue
+                if not state.accept(request.output_token_ids):
+                    refused = "the grammar refuses the output_token_ids of this continuation"
+                    failed.append((req_id, f"structured_outputs: {refused}"))
             elif now - state.submitted > self.compile_timeout_s:
                 del self.waiting[req_id]
                 late = f"the grammar did not compile within {self.compile_timeout_s:.0f} s"

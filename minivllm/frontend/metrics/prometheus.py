@@ -20,9 +20,10 @@ from prometheus_client import (
     Counter,
     Gauge,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from minivllm.frontend.dp_failover import FailoverStats
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
 M = TypeVar("M", Gauge, Counter)
@@ -79,8 +80,41 @@ class Histogram(Collector):
         yield family
 
 
+class FailoverCollector(Collector):
+    """The failover counters of a data-parallel client, read when scraped, one series per
+    engine-core (`engine` is its index, as in vLLM's data-parallel metrics)."""
+
+    METRICS = (
+        ("deaths", "vllm:engine_core_deaths", "Times the engine-core died."),
+        (
+            "moved",
+            "vllm:engine_core_requests_moved",
+            "Requests moved off the engine-core when it died, to go on on another.",
+        ),
+        (
+            "failed",
+            "vllm:engine_core_requests_failed",
+            "Requests that failed when the engine-core died (none left, or the failover limit).",
+        ),
+        ("restarts", "vllm:engine_core_restarts", "Times the engine-core was restarted."),
+    )
+
+    def __init__(self, stats: FailoverStats, model_name: str, registry: CollectorRegistry) -> None:
+        self.stats = stats
+        self.model_name = model_name
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for field, name, documentation in self.METRICS:
+            family = CounterMetricFamily(name, documentation, labels=["model_name", "engine"])
+            for engine, value in enumerate(getattr(self.stats, field)):
+                family.add_metric([self.model_name, str(engine)], value)
+            yield family
+
+
 class PrometheusStatLogger:
-    """Sets vLLM's gauges, counters and histograms from the collector's stats."""
+    """Sets vLLM's gauges, counters and histograms from the collector's stats; with
+    `failover`, a data-parallel client's counters of engine-core deaths too."""
 
     def __init__(
         self,
@@ -88,12 +122,15 @@ class PrometheusStatLogger:
         max_model_len: int,
         engine_index: int = 0,
         num_speculative_tokens: int = 0,
+        failover: FailoverStats | None = None,
     ) -> None:
         """`num_speculative_tokens`: k of the engine's speculative decoding (0: none; its
         counters are not exported then, as in vLLM)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
+        if failover is not None:
+            FailoverCollector(failover, model_name, registry)
         labels = {"model_name": model_name, "engine": str(engine_index)}
 
         def gauge(name: str, doc: str) -> Gauge:
