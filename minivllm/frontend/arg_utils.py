@@ -43,6 +43,13 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "data_parallel_failover_limit": "a request whose engine-core dies goes on on another "
+    "(its tokens so far carried over), unless this many engine-cores have died holding it; "
+    "1: it fails with the first",
+    "data_parallel_restart": "restart a dead engine-core (same arguments, same GPUs) and "
+    "route to it again once it is ready",
+    "data_parallel_restart_backoff_s": "with --data-parallel-restart: seconds before "
+    "restarting an engine-core that died again soon after its restart, doubling each time",
     "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
     "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
@@ -72,6 +79,10 @@ HELP = {
     "a generation_config.json",
     "override_generation_config": "JSON object over the generation config, e.g. "
     "'{\"temperature\": 0.5}'",
+    "speculative_config": "speculative decoding, as a JSON object: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\'',
 }
 
 
@@ -112,7 +123,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 def _base_type(kind: typing.Any) -> type:
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        return args[0]
+        return _base_type(args[0])
     return typing.get_origin(kind) or kind
 
 

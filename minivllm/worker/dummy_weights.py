@@ -58,6 +58,9 @@ def _layer_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tup
         layer["self_attn.o_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if variant.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,)})
+        layer.update({"post_feedforward_layernorm.weight": (h,)})
     return layer
 
 
@@ -115,14 +118,16 @@ def dummy_weights(
     dtype: torch.dtype,
     quant_config: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small.
-    With a quantization format, the linear layers' weights (and experts) are quantized and
-    stored as that format's checkpoints store them (FP8 blocks and their scales, packed
-    INT4, ...): the same weights as without one, before quantizing."""
+    """(HF name, full tensor) pairs: norms 1 (Gemma's stored offset 0), matrices
+    N(0, initializer_range), biases small. With a quantization format, the linear layers'
+    weights (and experts) are quantized and stored as that format's checkpoints store them
+    (FP8 blocks and their scales, packed INT4, ...): the same weights as without one, before
+    quantizing."""
     std = float(config.hf_config.get("initializer_range", 0.02))
+    norm_fill = 0.0 if variant.norm_offset else 1.0
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+            yield name, torch.full(shape, norm_fill, dtype=dtype, device=device)
             continue
         digest = hashlib.sha256(f"{config.seed}:{name}".encode()).digest()
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)

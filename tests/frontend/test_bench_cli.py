@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from minivllm.frontend.arg_utils import EngineArgs
 from minivllm.frontend.bench.floor import ExpertTraffic, memory_floor
 from minivllm.frontend.bench.geometry import (
     GEOMETRIES,
@@ -16,6 +18,7 @@ from minivllm.frontend.bench.geometry import (
     num_parameters,
     sparse_layers,
     weight_bytes,
+    write_geometry,
 )
 from minivllm.frontend.bench.workloads import random_workload, reference_workload
 
@@ -128,6 +131,31 @@ def test_moe_floor_reads_the_experts_a_step_routes_to():
     assert floor.weight_bytes == pytest.approx(4 * (10_000 + 128 * 200), rel=1e-6)
 
 
+def test_gemma3_geometry_and_its_windowed_floor(tmp_path) -> None:
+    cfg = GEOMETRIES["gemma3-1b"]
+    assert num_parameters(cfg) == 999_885_952  # Gemma 3 1B's count
+    # every 6th of its 26 layers global, the others over 512 tokens
+    path = write_geometry("gemma3-1b", str(tmp_path))
+    args = EngineArgs(model=path, device="cpu", load_format="dummy", skip_tokenizer_init=True)
+    model = args.create_engine_config().model
+    assert [i for i, w in enumerate(model.sliding_windows) if w is None] == [5, 11, 17, 23]
+    assert {w for w in model.sliding_windows if w is not None} == {512}
+    # a 3-token prompt, 4 outputs (3, 4, 5, 6 cached tokens); a layer windowed over 5 tokens
+    # reads at most the 4 before each query: 3 + 4 + 4 + 4
+    floor = memory_floor(
+        [3], [4], num_layers=2, num_kv_heads=1, head_dim=1, param_bytes=10,
+        sliding_windows=[5, None],
+    )  # fmt: skip
+    assert floor.kv_bytes == ((3 + 4 + 4 + 4) + (3 + 4 + 5 + 6)) * 2 * 2
+    # a prompt longer than the window: every output reads window - 1
+    floor = memory_floor([30], [2], num_layers=1, num_kv_heads=1, head_dim=1, param_bytes=10,
+                         sliding_windows=[5])  # fmt: skip
+    assert floor.kv_bytes == 2 * 4 * 2 * 2
+    with pytest.raises(ValueError, match="sliding_windows has 1 entries for 2 layers"):
+        memory_floor([3], [2], num_layers=2, num_kv_heads=1, head_dim=1, param_bytes=10,
+                     sliding_windows=[5])  # fmt: skip
+
+
 def test_floor_counts_context_per_output_token():
     # one request, 3-token prompt, 2 outputs: contexts 3 and 4 tokens; 2 decode steps
     floor = memory_floor([3], [2], num_layers=1, num_kv_heads=1, head_dim=1, param_bytes=10)
@@ -175,3 +203,22 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert "the 8-field schema compiled in" in proc.stdout
     assert re.search(r"^  fill +[\d.]+ +[\d.]+$", proc.stdout, re.M), proc.stdout
     assert (tmp_path / "trace.jsonl").exists()
+
+
+def test_bench_latency_with_a_speculative_config(qwen3_dir: str, tmp_path):
+    """The target as its own draft at temperature 0: the bench prints and writes vLLM's
+    acceptance figures, every draft accepted."""
+    spec = json.dumps({"model": qwen3_dir, "num_speculative_tokens": 2})
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "latency"]
+    cmd += ["--model", qwen3_dir, "--device", "cpu", "--distributed-executor-backend", "uni"]
+    cmd += ["--batch-size", "1", "--input-len", "8", "--output-len", "9", "--temperature", "0"]
+    cmd += ["--num-iters-warmup", "1", "--num-iters", "2", "--speculative-config", spec]
+    cmd += ["--kv-cache-memory-bytes", str(50 << 20), "--output-json", str(tmp_path / "f.json")]
+    env = {**os.environ, "PYTHONPATH": _REPO}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^SpecDecoding: Mean acceptance length: 3\.00, ", proc.stdout, re.M)
+    assert "Avg Draft acceptance rate: 100.0%" in proc.stdout
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["spec_acceptance_rate"] == 100.0
+    assert figures["spec_num_draft_tokens"] == 2 * figures["spec_num_drafts"] > 0

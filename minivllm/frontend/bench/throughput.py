@@ -41,6 +41,7 @@ from minivllm.frontend.bench.common import (
     add_bench_args,
     max_token_id,
     model_dir,
+    spec_decode_figures,
     start_llm,
     token_prompts,
 )
@@ -232,6 +233,7 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
             param_bytes=weight_bytes(model.hf_config, dtype_bytes, model.quantization),
             kv_dtype_bytes=elem,
             experts=experts,
+            sliding_windows=model.sliding_windows,
         )
         floor_s = floor.seconds(bandwidth)
         pct = 100 * floor_s / r.elapsed_s
@@ -338,6 +340,7 @@ def main(args: argparse.Namespace) -> dict:
                 if "structured_outputs" in extra:
                     eos = llm.llm_engine.input_processor.eos_token_ids
                     figures["structured_outputs"] = structured.summarize(run.outputs, eos)
+            figures.update(spec_decode_figures(llm))
         finally:
             llm.shutdown()
         base_name, result = next(iter(results.items()))
