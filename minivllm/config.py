@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults, rope_config
+from minivllm import generation_defaults, rope_config, speculative_config
 from minivllm.devices import check_gpu_sharing, resolve_device
 from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
 from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
@@ -548,3 +548,9 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+# SpeculativeConfig.draft is a ModelConfig, which speculative_config.py can import only for
+# type checkers (this module imports it): give its namespace the class, so msgspec can
+# resolve the field when an EngineConfig is decoded (a Ray worker's config travels so).
+speculative_config.ModelConfig = ModelConfig  # type: ignore[attr-defined]

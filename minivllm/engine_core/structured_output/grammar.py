@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from minivllm.gguf_file import pretrained_args
+from minivllm.hf_imports import from_transformers
 from minivllm.protocol.structured_outputs import (
     CONSTRAINTS,
     GrammarKind,
@@ -84,8 +85,7 @@ class GrammarCompiler:
     """xgrammar's compiler over one tokenizer's vocabulary, padded to the model's."""
 
     def __init__(self, tokenizer: str, vocab_size: int) -> None:
-        from transformers import AutoTokenizer
-
+        AutoTokenizer = from_transformers("", "AutoTokenizer")
         xgr = xgrammar()
         name, kwargs = pretrained_args(tokenizer)
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
