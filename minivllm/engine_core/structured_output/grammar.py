@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from minivllm.gguf_file import pretrained_args
-from minivllm.hf_imports import from_transformers
+from minivllm.hf_imports import from_transformers, import_locked
 from minivllm.protocol.structured_outputs import (
     CONSTRAINTS,
     GrammarKind,
@@ -28,7 +28,7 @@ _STRING_FORMATS |= {"relative-json-pointer"}
 def xgrammar() -> Any:
     """The xgrammar module, or a `ValueError` that says how to install it."""
     try:
-        import xgrammar as xgr
+        xgr = import_locked("xgrammar")
     except ImportError:
         raise ValueError(
             "structured_outputs need the xgrammar package: pip install 'minivllm[structured]'"
