@@ -263,6 +263,10 @@ def resolve_quantization(
     supported = ", ".join(LINEAR_QUANTIZATION_METHODS)
     if declared is not None:
         method = str(declared.get("quant_method", "")).lower().replace("_", "-")
+        if method == "gguf" and requested is None:
+            # saved by transformers from a model it read from a GGUF file: it dequantized
+            # the weights when it read them
+            return None
         if method not in LINEAR_QUANTIZATION_METHODS:
             raise ValueError(
                 f"the checkpoint's quantization_config.quant_method {method!r} is not "
