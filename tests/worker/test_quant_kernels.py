@@ -124,7 +124,7 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
 def check_fused_ops_fall_back(device: str) -> None:
     """A quantized projection after a norm (or SiLU * up) on one bfloat16 row: the fused ops
     do not run the 16-bit GEMV's prologue on it but the norm, then the quantized matmul."""
-    from minivllm.config import CHECKPOINT_QUANTIZATION_CONFIGS as CONFIGS
+    from minivllm.quantization_config import CHECKPOINT_QUANTIZATION_CONFIGS as CONFIGS
     from minivllm.worker.distributed.parallel_state import TPGroup
     from minivllm.worker.layers.fused import rms_norm_linear, silu_mul_linear
     from minivllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
