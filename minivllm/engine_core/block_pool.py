@@ -7,6 +7,10 @@ Cache contract: a block with `ref_cnt == 0` sits in the free queue but keeps its
 later request with the same prefix can `touch` it back into use. Only when
 `get_new_blocks` pops it from the head of the queue is its hash evicted. Freed blocks go to
 the tail, so the least recently freed cached block is the first to be evicted.
+
+Blocks never used yet come before every freed one (as if all had been freed at start-up, in
+id order), and their objects are made when first taken: nothing at start-up scales with the
+number of blocks, which reaches hundreds of thousands on a large GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +39,14 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # the free blocks by id, least recently freed first
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(enumerate(self.blocks))
+        self.blocks: list[KVCacheBlock] = []  # those used so far: ids 0..len-1
+        # the freed blocks by id, least recently freed first (behind the never-used ones)
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
@@ -53,12 +57,15 @@ class BlockPool:
         """Take `n` free blocks, least recently freed first, evicting their cache entries."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot take {n} blocks, only {self.num_free_blocks} are free")
-        blocks = []
-        for _ in range(n):
+        fresh = min(n, self.num_blocks - len(self.blocks))
+        blocks = [KVCacheBlock(i) for i in range(len(self.blocks), len(self.blocks) + fresh)]
+        self.blocks.extend(blocks)
+        for _ in range(n - fresh):
             _, block = self.free_queue.popitem(last=False)
             self._evict(block)
-            block.ref_cnt = 1
             blocks.append(block)
+        for block in blocks:
+            block.ref_cnt = 1
         return blocks
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:

@@ -17,12 +17,15 @@ from minivllm.protocol.messages import GrammarBitmask, ModelRunnerOutput, Schedu
 
 
 class Executor(ABC):
-    """Owns the workers. `num_blocks` is known once the constructor returns."""
+    """Owns the workers. `num_blocks` is known once the constructor returns, and
+    `startup_s`: the seconds each start-up phase took (rank 0's), in order."""
 
     num_blocks: int
+    startup_s: dict[str, float]
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.startup_s = {}
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -53,6 +56,7 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
         self.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(self.num_blocks)
+        self.startup_s = self.worker.startup_s
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.worker.execute_model(scheduler_output)

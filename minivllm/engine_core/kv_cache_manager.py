@@ -24,6 +24,13 @@ next token attends, are all cached, and puts None before them; a block that was 
 can never be part of a hit, and the window of a hit is always there. Only a model whose
 every layer has a window frees blocks: the block table is shared by all layers, and a layer
 that sees the whole context needs all of them.
+
+Speculative decoding: a step that verifies draft tokens writes their KV into the request's
+slots after its last token; the scheduler takes the rejected ones back by lowering
+`num_computed_tokens`, and the next step writes over those slots (the blocks stay the
+request's). No block is cached while it holds a draft's KV: only blocks full of known
+tokens are hashed. `num_lookahead_tokens` reserves slots past a step's tokens that a draft
+model writes while it proposes the next ones.
 """
 
 from __future__ import annotations
@@ -137,8 +144,10 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, and
+        `num_lookahead_tokens` slots after those.
 
         `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
         `get_computed_blocks` for a request that holds no blocks yet. Returns the ids of the
@@ -154,7 +163,8 @@ class KVCacheManager:
         elif self.sliding_window is not None:
             self._free_behind_window(req_blocks, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks) - len(hits)
+        num_slots = num_total + num_lookahead_tokens
+        num_new_blocks = cdiv(num_slots, self.block_size) - len(req_blocks) - len(hits)
         new_block_ids: list[int] = []
         if hits or num_new_blocks > 0:  # (a decode step mostly fits in the last block)
             num_new_blocks = max(num_new_blocks, 0)

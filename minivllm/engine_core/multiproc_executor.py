@@ -97,8 +97,9 @@ class MultiprocExecutor(Executor):
                 sock.setsockopt(zmq.SNDTIMEO, _POLL_MS)
                 self.step_socks.append(sock)
                 step_addrs.append(addr)
+            start = time.perf_counter()
             self._start_workers(step_addrs, result_addr)
-            self.num_blocks = self._startup()
+            self.num_blocks = self._startup(start)
         except BaseException:
             self.shutdown()
             raise
@@ -138,7 +139,7 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ startup
 
-    def _startup(self) -> int:
+    def _startup(self, start: float) -> int:
         tp = self.config.parallel.tensor_parallel_size
         self._startup_timeout_s = envs.startup_timeout_s()
         deadline = time.monotonic() + self._startup_timeout_s
@@ -149,11 +150,18 @@ class MultiprocExecutor(Executor):
                 self._broadcast(msg, first_rank=1)
             elif isinstance(msg, WorkerLoaded):
                 blocks[msg.rank] = msg.num_gpu_blocks
+        loaded_s = time.perf_counter() - start
         num_blocks = min(blocks.values())
         self._broadcast(InitKVCache(num_blocks))
-        ready = 0
-        while ready < tp:
-            ready += isinstance(self._recv_startup(deadline), WorkerReady)
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < tp:
+            msg = self._recv_startup(deadline)
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+        phases = ready[0].startup_s
+        # what the worker did not time itself: spawning it, its imports, the TP rendezvous
+        before_load = loaded_s - sum(phases.get(p, 0.0) for p in ("device", "load", "profile"))
+        self.startup_s = {"processes": max(0.0, before_load), **phases}
         logger.info("%d worker process(es) ready", tp)
         return num_blocks
 

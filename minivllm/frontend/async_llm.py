@@ -8,15 +8,17 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator
+from concurrent.futures import Future
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.dp_client import DPAsyncClient, attach_client, make_client
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
-from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
@@ -40,18 +42,19 @@ class AsyncLLM:
         model_config: ModelConfig,
         client: AsyncMPClient | DPAsyncClient,
         stat_loggers: list[StatLogger] | None = None,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | Future[Tokenizer | None] | None = None,
     ) -> None:
-        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`)."""
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`), a future is
+        waited for (a failed load stops the engine)."""
         self.client = client
         self._tasks: list[asyncio.Task] = []  # the output handler, once started
         self._release = on_release(self, _shutdown, client, self._tasks)
         try:
             self.model_config = model_config
             self.stats = StatsCollector(stat_loggers) if stat_loggers else None
-            if tokenizer is None and not model_config.skip_tokenizer_init:
-                tokenizer = load_tokenizer(model_config.tokenizer)
-            self.tokenizer = tokenizer
+            self.tokenizer = resolve_tokenizer(
+                tokenizer, model_config.tokenizer, model_config.skip_tokenizer_init
+            )
             self.input_processor = InputProcessor(model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
@@ -67,7 +70,9 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         config: EngineConfig = engine_args.create_engine_config()
-        return cls(config.model, make_client(config, asynchronous=True), stat_loggers)
+        model = config.model
+        tokenizer = load_tokenizer_meanwhile(None if model.skip_tokenizer_init else model.tokenizer)
+        return cls(model, make_client(config, asynchronous=True), stat_loggers, tokenizer)
 
     @classmethod
     def connect(
@@ -76,14 +81,23 @@ class AsyncLLM:
         stat_loggers: list[StatLogger] | None = None,
         curve: CurveClientKeys | None = None,
         tokenizer: str | None = None,
+        data_parallel_failover_limit: int = DEFAULT_FAILOVER_LIMIT,
     ) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: one serving frontend over all, requests routed as with data parallelism).
+        (a list: one serving frontend over all, requests routed as with data parallelism;
+        a request whose daemon dies goes on on another, unless
+        `data_parallel_failover_limit` daemons have died holding it).
         `curve`: the keys a daemon on a network address asks for
         (`CurveClientKeys.load(server_key, secret_key)`). The model's config and tokenizer
         come from the daemon, so no model files are needed here; `tokenizer`: a directory
         to load the tokenizer from instead."""
-        client = attach_client(address, curve, asynchronous=True, has_tokenizer=bool(tokenizer))
+        client = attach_client(
+            address,
+            curve,
+            asynchronous=True,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=data_parallel_failover_limit,
+        )
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
@@ -168,7 +182,8 @@ class AsyncLLM:
             await self.client.abort_requests_async(processed.reqs_to_abort)
 
     def _lost(self, error: EngineCoreDeadError) -> None:
-        """One of several cores died: its requests end with `error`."""
+        """One of several cores died, and these of its requests could not move on: they
+        end with `error`."""
         for request_id in self.output_processor.forget_lost(error.request_ids):
             queue = self._queues.get(request_id)
             if queue is not None:
@@ -217,7 +232,7 @@ async def _output_handler(
         while True:
             try:
                 outputs: EngineCoreOutputs | EngineCoreDeadError = await client.get_output_async()
-            except EngineCoreDeadError as e:  # one of several cores: its requests only
+            except EngineCoreDeadError as e:  # one of several cores: the requests it names
                 outputs = e
             llm = ref()
             if llm is None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.dp_client import attach_client, make_client
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
-from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.process_utils import on_release
 from minivllm.protocol.auth import CurveClientKeys
@@ -28,19 +31,20 @@ class LLMEngine:
         self,
         model_config: ModelConfig,
         client: EngineCoreClient,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | Future[Tokenizer | None] | None = None,
         config: EngineConfig | None = None,
     ) -> None:
-        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`); `config`: the
+        """`tokenizer`: None loads the model's (unless `skip_tokenizer_init`), a future is
+        waited for (a failed load stops the engine); `config`: the
         whole engine's when this frontend started it (None when attached to a daemon)."""
         self.config = config
         self.engine_core = client
         self._release = on_release(self, client.shutdown)
         try:
             self.model_config = model_config
-            if tokenizer is None and not model_config.skip_tokenizer_init:
-                tokenizer = load_tokenizer(model_config.tokenizer)
-            self.tokenizer = tokenizer
+            self.tokenizer = resolve_tokenizer(
+                tokenizer, model_config.tokenizer, model_config.skip_tokenizer_init
+            )
             self.input_processor = InputProcessor(model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
         except BaseException:
@@ -51,8 +55,7 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         config = engine_args.create_engine_config()
         model = config.model
-        # the tokenizer first: a missing one fails before any process starts
-        tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer)
+        tokenizer = load_tokenizer_meanwhile(None if model.skip_tokenizer_init else model.tokenizer)
         if config.parallel.distributed_executor_backend == "uni":
             client: EngineCoreClient = InprocClient(config)
         else:
@@ -65,11 +68,19 @@ class LLMEngine:
         address: str | list[str],
         curve: CurveClientKeys | None = None,
         tokenizer: str | None = None,
+        data_parallel_failover_limit: int = DEFAULT_FAILOVER_LIMIT,
     ) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: requests routed over them as with data parallelism). The model's config
-        and tokenizer come from the daemon; `tokenizer`: a directory to load it from instead."""
-        client = attach_client(address, curve, asynchronous=False, has_tokenizer=bool(tokenizer))
+        (a list: requests routed over them as with data parallelism, and moved to another
+        when theirs dies). The model's config and tokenizer come from the daemon;
+        `tokenizer`: a directory to load it from instead."""
+        client = attach_client(
+            address,
+            curve,
+            asynchronous=False,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=data_parallel_failover_limit,
+        )
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
@@ -95,7 +106,8 @@ class LLMEngine:
         try:
             outputs = self.engine_core.get_output()
         except EngineCoreDeadError as e:
-            # one of several cores died: its requests end here, the others' steps go on
+            # requests that failed with a dead engine-core (the rest moved on): they end
+            # here, the others' steps go on
             self.output_processor.forget_lost(e.request_ids)
             raise
         processed = self.output_processor.process_outputs(outputs.outputs)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -13,6 +16,8 @@ from minivllm.worker.async_output import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, dist_store=None) -> None:
@@ -20,8 +25,18 @@ class Worker:
         self.rank = rank
         self.dist_store = dist_store  # a torch.distributed Store all ranks reach (TP > 1)
         self.model_runner = None
+        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+
+    def _timed(self, phase: str, fn: Callable[[], _T]) -> _T:
+        start = time.perf_counter()
+        result = fn()
+        self.startup_s[phase] = time.perf_counter() - start
+        return result
 
     def init_device(self) -> None:
+        self._timed("device", self._init_device)
+
+    def _init_device(self) -> None:
         from minivllm.worker.distributed.parallel_state import init_tp_group
 
         cfg = self.config
@@ -46,13 +61,14 @@ class Worker:
         self.model_runner = ModelRunner(cfg, self.device, self.tp)
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        self._timed("load", self.model_runner.load_model)
 
     def determine_num_blocks(self) -> int:
-        return self.model_runner.determine_num_blocks()
+        return self._timed("profile", self.model_runner.determine_num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.startup_s.update(self.model_runner.startup_s)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launch one step's forward; `sample_tokens` samples it."""

@@ -130,7 +130,7 @@ def serve(
             elif isinstance(msg, InitKVCache):
                 worker.initialize_kv_cache(msg.num_blocks)
                 freeze_startup_heap()
-                send(WorkerReady(rank, os.getpid()))
+                send(WorkerReady(rank, os.getpid(), worker.startup_s))
             elif isinstance(msg, ShutdownWorker):
                 break
     except Exception:

@@ -136,3 +136,21 @@ def test_killed_engine_core_leaves_no_run_directory(null_dir: str, run_dir_root:
     assert wait_gone([worker], timeout=10) == []
     llm.shutdown()
     assert os.listdir(run_dir_root) == []
+
+
+def test_a_tokenizer_that_fails_to_load_stops_the_engine_started_beside_it(
+    null_dir: str, run_dir_root: str, tmp_path
+) -> None:
+    """The tokenizer loads while the engine-core starts; when it fails, its error reaches the
+    caller and the engine goes with it, for LLM and AsyncLLM alike."""
+    bad = tmp_path / "not-a-tokenizer"
+    bad.mkdir()
+    before = set(spawned_children(os.getpid()))
+    with pytest.raises(ValueError, match="tokenizer: cannot load one from .*not-a-tokenizer"):
+        LLM(model=null_dir, tokenizer=str(bad))
+    with pytest.raises(ValueError, match="tokenizer: cannot load one from .*not-a-tokenizer"):
+        AsyncLLM.from_engine_args(EngineArgs(model=null_dir, tokenizer=str(bad)))
+    assert wait_gone(_new_engine_pids(before), timeout=10) == []
+    gc.collect()
+    assert [p for p in spawned_children(os.getpid()) if p not in before] == []
+    assert os.listdir(run_dir_root) == []

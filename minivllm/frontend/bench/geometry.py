@@ -192,3 +192,39 @@ def _dense_parameters(cfg: dict[str, Any]) -> int:
     )
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
     return vocab * hidden + int(cfg["num_hidden_layers"]) * per_layer + hidden + lm_head
+
+
+# bytes per weight of the decoder layers' linear layers and experts, scales included: FP8
+# with a float32 scale per 128x128 block (per row: about the same), INT4 with a float16 scale
+# and an 8-bit zero per group of 128 (the kernels' layout)
+_QUANTIZED_WEIGHT_BYTES = {
+    "fp8": 1 + 4 / 128**2,
+    "compressed-tensors": 1.0,
+    "awq": 0.5 + 3 / 128,
+    "gptq": 0.5 + 3 / 128,
+}
+
+
+def bytes_per_weight(dtype_bytes: int, quantization: str | None) -> float:
+    """Bytes of one weight of a linear layer (or an expert) in this format."""
+    return dtype_bytes if quantization is None else _QUANTIZED_WEIGHT_BYTES[quantization]
+
+
+def weight_bytes(cfg: dict[str, Any], dtype_bytes: int, quantization: str | None) -> int:
+    """The bytes of a decoder's weights: its linear layers' and experts' in their quantized
+    format, the rest (embeddings, LM head, norms, routers) in the model's dtype."""
+    total = num_parameters(cfg)
+    if quantization is None:
+        return total * dtype_bytes
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    layers, sparse = int(cfg["num_hidden_layers"]), sparse_layers(cfg)
+    linear = (
+        layers * hidden * (2 * heads + 2 * kv_heads) * head_dim
+        + (layers - sparse) * 3 * hidden * inter
+        + sparse * num_experts(cfg) * expert_parameters(cfg)
+    )
+    per_weight = bytes_per_weight(dtype_bytes, quantization)
+    return int((total - linear) * dtype_bytes + linear * per_weight)

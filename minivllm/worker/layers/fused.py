@@ -4,7 +4,7 @@ another, from the tensors and layers it is given (and the step's metadata).
 
 | op | one kernel when | else |
 |---|---|---|
-| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
+| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased, unquantized projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
 | `silu_mul_linear` | the same row and projection: the GEMV computes silu(gate) * up in its prologue | `silu_and_mul`, then the projection |
 | `gelu_tanh_mul_linear` | the same, GELU-tanh(gate) * up in the GEMV's prologue (Gemma) | `gelu_tanh_and_mul`, then the projection |
 | `norm_add_norm` | Triton runs (Gemma's norms): after the all-reduce under TP, one kernel norms x, adds the residual and norms the sum (ops/gemma_norm.py) | the all-reduce, then torch ops |
@@ -59,8 +59,8 @@ def rms_norm_linear(
     if residual is not None and tp.size > 1:
         normed, residual = tp.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         return proj(normed), residual
-    w = proj.weight
-    cfg = row_gemv_config(x, w, x.shape[-1]) if proj.bias is None else None
+    w = proj.plain_weight
+    cfg = row_gemv_config(x, w, x.shape[-1]) if proj.bias is None and w is not None else None
     if cfg is not None:
         if residual is None:
             return gemv_rms_norm(x, None, norm.weight, norm.eps, w, cfg), x
@@ -74,8 +74,10 @@ def rms_norm_linear(
 
 def silu_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(silu(gate) * up) for gate_up [T, 2I], gate then up: SwiGLU's down projection."""
-    w = proj.weight
-    cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2) if proj.rank_bias is None else None
+    w = proj.plain_weight
+    cfg = None
+    if proj.rank_bias is None and w is not None:
+        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
     if cfg is None:
         return proj(silu_and_mul(gate_up))
     y = gemv_silu_mul(gate_up, w, cfg)
@@ -84,8 +86,10 @@ def silu_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Ten
 
 def gelu_tanh_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(gelu_tanh(gate) * up) for gate_up [T, 2I], gate then up: GeGLU's down projection."""
-    w = proj.weight
-    cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2) if proj.rank_bias is None else None
+    w = proj.plain_weight
+    cfg = None
+    if proj.rank_bias is None and w is not None:
+        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
     if cfg is None:
         return proj(gelu_tanh_and_mul(gate_up))
     y = gemv_gelu_tanh_mul(gate_up, w, cfg)

@@ -38,6 +38,7 @@ from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.layers.embedding import VocabParallelEmbedding
 from minivllm.worker.layers.fused import norm_add_norm
 from minivllm.worker.layers.norm import GemmaRMSNorm
+from minivllm.worker.layers.quantization import QuantizationConfig
 from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded
 from minivllm.worker.models.llama_family import MLP, Attention, CausalLM, DecoderVariant
@@ -60,14 +61,15 @@ class Gemma3DecoderLayer(nn.Module):
         backend: AttentionBackend,
         params_dtype: torch.dtype,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
         self.tp = tp
         self.self_attn = Attention(
-            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
+            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb, quant_config
         )
-        self.mlp = MLP(config, variant, tp, params_dtype)
+        self.mlp = MLP(config, variant, tp, params_dtype, layer_idx, quant_config)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, params_dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, params_dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, params_dtype)
@@ -95,6 +97,7 @@ class Gemma3Model(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         params_dtype: torch.dtype,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hf = config.hf_config
@@ -119,6 +122,7 @@ class Gemma3Model(nn.Module):
                 backend,
                 params_dtype,
                 local_rope if sliding else global_rope,
+                quant_config,
             )
             for i, sliding in enumerate(sliding_layers(hf, config.num_layers))
         )

@@ -45,9 +45,14 @@ from minivllm.worker.layers.linear import (
     RowParallelLinear,
 )
 from minivllm.worker.layers.norm import GemmaRMSNorm, RMSNorm
+from minivllm.worker.layers.quantization import QuantizationConfig, get_quantization_config
 from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded, default_weight_loader
-from minivllm.worker.models.sparse_moe import SparseMoeBlock, moe_targets
+from minivllm.worker.models.sparse_moe import (
+    SparseMoeBlock,
+    expert_checkpoint_name,
+    moe_targets,
+)
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         params_dtype: torch.dtype,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, head_dim = int(config.hf_config["hidden_size"]), config.head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn."
         self.qkv_proj = QKVParallelLinear(
             hidden,
             head_dim,
@@ -135,6 +142,8 @@ class Attention(nn.Module):
             tp,
             bias=variant.qkv_bias,
             params_dtype=params_dtype,
+            quant_config=quant_config,
+            checkpoint_names=[prefix + p for p in ("q_proj", "k_proj", "v_proj")],
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = head_dim
@@ -145,6 +154,8 @@ class Attention(nn.Module):
             bias=variant.o_proj_bias,
             params_dtype=params_dtype,
             reduce_results=False,  # summed by the next norm
+            quant_config=quant_config,
+            checkpoint_names=[prefix + "o_proj"],
         )
         self.rotary_emb = rotary_emb  # shared by all layers (of its kind)
         eps = float(config.hf_config["rms_norm_eps"])
@@ -176,20 +187,28 @@ class MLP(nn.Module):
     TP this rank's partial sum."""
 
     def __init__(
-        self, config: ModelConfig, variant: DecoderVariant, tp: TPGroup, params_dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        tp: TPGroup,
+        params_dtype: torch.dtype,
+        layer_idx: int = 0,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, inter = (
             int(config.hf_config["hidden_size"]),
             int(config.hf_config["intermediate_size"]),
         )
-        bias = variant.mlp_bias
+        bias, prefix = variant.mlp_bias, f"model.layers.{layer_idx}.mlp."
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
-        )
+            hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype,
+            quant_config=quant_config, checkpoint_names=[prefix + "gate_proj", prefix + "up_proj"],
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
-            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False
-        )
+            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False,
+            quant_config=quant_config, checkpoint_names=[prefix + "down_proj"],
+        )  # fmt: skip
         self.act_mul_linear = _ACTIVATIONS[variant.hidden_act]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -211,17 +230,18 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         params_dtype: torch.dtype,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
         self.tp = tp
         self.self_attn = Attention(
-            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
+            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb, quant_config
         )
         self.mlp = (
-            SparseMoeBlock(config, variant, tp, params_dtype)
+            SparseMoeBlock(config, variant, tp, params_dtype, layer_idx, quant_config)
             if config.is_moe_layer(layer_idx)
-            else MLP(config, variant, tp, params_dtype)
+            else MLP(config, variant, tp, params_dtype, layer_idx, quant_config)
         )
         self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
@@ -253,6 +273,7 @@ class DecoderModel(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         params_dtype: torch.dtype,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
@@ -260,7 +281,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb)
+            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb, quant_config)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
@@ -301,7 +322,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = variant.tie_word_embeddings
-        self.model = self.model_cls(config, variant, tp, attn_backend, params_dtype)
+        # the linear layers' format (embeddings, norms and the LM head stay in params_dtype)
+        self.quant_config = get_quantization_config(config)
+        self.model = self.model_cls(
+            config, variant, tp, attn_backend, params_dtype, self.quant_config
+        )
         hidden = int(config.hf_config["hidden_size"])
         self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)
         if self.tie_word_embeddings:
@@ -358,8 +383,9 @@ class CausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"{hf_name}: {e}") from e
                 loaded[name].update(expected[name] if shard_id is None else (shard_id,))
+        arch = self.config.architecture
         missing = sorted(
-            f"{name}[{shard}]" if shard is not None else name
+            _checkpoint_name(name, shard, arch)
             for name, shards in expected.items()
             for shard in shards - loaded[name]
         )
@@ -369,6 +395,20 @@ class CausalLM(nn.Module):
                 f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
             )
         self.has_kv_scales = kv_scales.finish()
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def _checkpoint_name(param_name: str, shard: object, architecture: str) -> str:
+    """The checkpoint tensor that fills `shard` of our parameter `param_name`."""
+    if isinstance(shard, tuple):  # (expert, part)
+        return expert_checkpoint_name(param_name, shard, architecture)
+    for hf_part, part, sid in _STACKED:
+        if part in param_name and sid == shard:
+            return param_name.replace(part, hf_part)
+    return param_name
 
 
 def _checkpoint_targets(hf_name: str, tensor: Loaded) -> list[tuple[str, object, Loaded]]:
