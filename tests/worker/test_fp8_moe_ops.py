@@ -162,7 +162,7 @@ SMALL_CONFIGS = [None, MoETileConfig(16, 32, 32, 4, 2)]
 
 @needs_triton
 def test_fp8_moe_kernels_interpreted() -> None:
-    run_interpreted(__file__, timeout=500)
+    run_interpreted(__file__, timeout=900)
 
 
 @pytest.mark.gpu
