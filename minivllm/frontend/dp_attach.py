@@ -3,6 +3,7 @@ scheduler stats merged, one reply to a utility call from each core's."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -62,8 +63,15 @@ def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None
 
 def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
-    up (so their deltas stay right), the KV cache usage is the mean."""
-    merged = {k: sum(getattr(s, k) for s in stats) for k in SchedulerStats.__struct_fields__}
+    up (so their deltas stay right; counters per draft position, position by position), the
+    KV cache usage is the mean."""
+    merged: dict[str, Any] = {}
+    for name in SchedulerStats.__struct_fields__:
+        values = [getattr(s, name) for s in stats]
+        if isinstance(values[0], list):
+            merged[name] = [sum(c) for c in itertools.zip_longest(*values, fillvalue=0)]
+        else:
+            merged[name] = sum(values)
     merged["kv_cache_usage"] /= len(stats)
     return SchedulerStats(**merged)
 
