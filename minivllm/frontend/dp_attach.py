@@ -63,15 +63,14 @@ def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None
 
 def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
-    up (so their deltas stay right; counters per draft position, position by position), the
-    KV cache usage is the mean."""
+    up (so their deltas stay right), the KV cache usage is the mean."""
     merged: dict[str, Any] = {}
-    for name in SchedulerStats.__struct_fields__:
-        values = [getattr(s, name) for s in stats]
-        if isinstance(values[0], list):
-            merged[name] = [sum(c) for c in itertools.zip_longest(*values, fillvalue=0)]
+    for k in SchedulerStats.__struct_fields__:
+        values = [getattr(s, k) for s in stats]
+        if isinstance(values[0], list):  # counters per draft position: added position-wise
+            merged[k] = [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)]
         else:
-            merged[name] = sum(values)
+            merged[k] = sum(values)
     merged["kv_cache_usage"] /= len(stats)
     return SchedulerStats(**merged)
 
