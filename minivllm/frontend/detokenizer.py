@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 from minivllm.frontend.tokenizer import Tokenizer as HFTokenizer
+from minivllm.hf_imports import from_transformers
 from minivllm.protocol.messages import FinishReason
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -95,6 +96,21 @@ class IncrementalDetokenizer:
         self._parts[:] = [text[:truncate_to]]
         self._unreleased[:] = [text[num_released:truncate_to]]
         return stop_str
+
+    def update_tokens(
+        self, new_token_ids: list[int], finish_reason: FinishReason | None
+    ) -> tuple[str | None, int]:
+        """`update` for a step that may bring several tokens (speculative decoding): a stop
+        string ends the text at the token that completes it, as it would have one step at a
+        time. Returns the stop string (or None) and how many of the ids the text took."""
+        if len(new_token_ids) == 1 or not self.stop:
+            return self.update(new_token_ids, finish_reason), len(new_token_ids)
+        last = len(new_token_ids) - 1
+        for i, token_id in enumerate(new_token_ids):
+            stop_str = self.update([token_id], finish_reason if i == last else None)
+            if stop_str is not None:
+                return stop_str, i + 1
+        return None, len(new_token_ids)
 
     @property
     def output_text(self) -> str:
@@ -230,8 +246,7 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteT
     if not isinstance(backend.decoder, ByteLevel):
         return None
     # GPT-2's map from the 256 printable stand-in characters back to bytes
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    bytes_to_unicode = from_transformers("convert_slow_tokenizer", "bytes_to_unicode")
     char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = []

@@ -204,3 +204,42 @@ def test_api_processes_report_one_engine(tmp_path) -> None:
         assert not any(name.startswith("process_") for name, _ in samples)
     assert first.token_totals() == (8.0, 5.0)
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_api_processes_report_failover_and_speculation_once(tmp_path) -> None:
+    """Each API process's data-parallel client counts the same engine-core death and hears
+    the engine's cumulative draft counts; the requests each moved are its own. Either
+    process's scrape: the death once, the moves summed, the drafts not counted twice."""
+    from minivllm.frontend.dp_failover import FailoverStats
+
+    def scrape(prom: PrometheusStatLogger) -> dict:
+        text = generate_latest(prom.registry).decode()
+        return {
+            (s.name, s.labels.get("engine"), s.labels.get("position")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    failover = [FailoverStats(2), FailoverStats(2)]
+    loggers = [
+        PrometheusStatLogger("m", 64, failover=f, shared_dir=str(tmp_path)) for f in failover
+    ]
+    for f, moved, failed in zip(failover, (3, 2), (1, 0), strict=True):
+        f.deaths[1], f.moved[1], f.failed[1] = 1, moved, failed
+    speculating = {"spec_num_draft_tokens": 30, "spec_num_accepted_tokens": 18}
+    for prom, drafts, first_pos in zip(loggers, (10, 12), (9, 11), strict=True):
+        stats = SchedulerStats(1, 0, 0.1, spec_num_drafts=drafts, **speculating)
+        stats.spec_num_accepted_tokens_per_pos = [first_pos, 6]
+        StatsCollector([prom]).record(EngineCoreOutputs(scheduler_stats=stats, timestamp=T0))
+    for prom in loggers:
+        samples = scrape(prom)
+        assert samples[("vllm:engine_core_deaths_total", "1", None)] == 1
+        assert samples[("vllm:engine_core_deaths_total", "0", None)] == 0
+        assert samples[("vllm:engine_core_requests_moved_total", "1", None)] == 5
+        assert samples[("vllm:engine_core_requests_failed_total", "1", None)] == 1
+        assert samples[("vllm:spec_decode_num_drafts_total", "0", None)] == 12
+        assert samples[("vllm:spec_decode_num_draft_tokens_total", "0", None)] == 30
+        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        assert [samples[(per_pos, "0", str(i))] for i in range(2)] == [11, 6]
+    failover[0].moved[1] += 4  # a scrape reads its own process's counts as they are now
+    assert scrape(loggers[0])[("vllm:engine_core_requests_moved_total", "1", None)] == 9

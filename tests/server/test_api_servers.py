@@ -250,9 +250,62 @@ def test_a_failed_start_ends_every_process(null_dir: str) -> None:
         assert os.listdir(tmpdir) == []
         zero = _start([null_dir, "--api-server-count", "0"], tmpdir)
         assert zero.wait(60) == 1
+        restart = _start([null_dir, "-dp", "2", "-asc", "2", "--data-parallel-restart"], tmpdir)
+        assert restart.wait(60) == 1
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("minivllm serve: could not start: EngineStartupError: api-server-")
     assert "no engine-core at ipc:///no/such/engine" in last
     assert len(run.descendants) >= 2  # the API processes had started
     assert "--api-server-count must be at least 1, got 0" in zero.stderr
     assert not zero.descendants
+    assert "--data-parallel-restart needs --api-server-count 1" in restart.stderr
+    assert not restart.descendants
+
+
+FAILOVER_COUNTERS = (
+    "engine_core_deaths",
+    "engine_core_requests_moved",
+    "engine_core_requests_failed",
+)
+
+
+def test_a_killed_engine_core_moves_every_process_requests(null_dir: str) -> None:
+    """Its own server: the engine-core dies under streams of both API processes; each moves
+    its own requests to the other core, every stream ends whole, and either process's
+    /metrics counts the death once (each process saw it) and the moves of both."""
+    with private_tmpdir() as tmpdir:
+        run = _start([null_dir, "-dp", "2", "--api-server-count", "2"], tmpdir)
+        try:
+            served = Served(run, _port(run), tmpdir)
+            streams = _requests_on_every_process(served, max_tokens=3000, stream=True)
+            api = {p.pid for p in served.api_processes()}
+            cores = [
+                c
+                for c in psutil.Process(run.proc.pid).children()
+                if c.pid not in api and "spawn_main" in " ".join(c.cmdline())
+            ]
+            assert len(cores) == 2
+            cores[1].kill()
+            for s in streams:
+                body = s.first + (s.rest() or b"")
+                events = [json.loads(e[6:]) for e in body.split(b"\n\n") if e[:7] == b"data: {"]
+                assert events[-1]["usage"]["completion_tokens"] == 3000
+                s.close()
+            run.wait_for("the API processes move its requests", 30)
+            by_process: dict[int, dict[str, float]] = {}
+            for _ in range(60):  # until each process answered once
+                if len(by_process) == 2:
+                    break
+                metrics, pid = _metrics(served)
+                by_process[pid] = {
+                    name: sum(v for (n, _), v in metrics.items() if n == f"vllm:{name}_total")
+                    for name in FAILOVER_COUNTERS
+                }
+        finally:
+            run.kill()
+    assert len(by_process) == 2
+    for counts in by_process.values():
+        assert counts["engine_core_deaths"] == 1
+        assert counts["engine_core_requests_failed"] == 0
+    moved = {counts["engine_core_requests_moved"] for counts in by_process.values()}
+    assert len(moved) == 1 and 1 <= moved.pop() <= len(streams)

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from minivllm.gguf_file import pretrained_args
+from minivllm.hf_imports import from_transformers, import_locked
 from minivllm.protocol.structured_outputs import (
     CONSTRAINTS,
     GrammarKind,
@@ -27,7 +28,7 @@ _STRING_FORMATS |= {"relative-json-pointer"}
 def xgrammar() -> Any:
     """The xgrammar module, or a `ValueError` that says how to install it."""
     try:
-        import xgrammar as xgr
+        xgr = import_locked("xgrammar")
     except ImportError:
         raise ValueError(
             "structured_outputs need the xgrammar package: pip install 'minivllm[structured]'"
@@ -84,8 +85,7 @@ class GrammarCompiler:
     """xgrammar's compiler over one tokenizer's vocabulary, padded to the model's."""
 
     def __init__(self, tokenizer: str, vocab_size: int) -> None:
-        from transformers import AutoTokenizer
-
+        AutoTokenizer = from_transformers("", "AutoTokenizer")
         xgr = xgrammar()
         name, kwargs = pretrained_args(tokenizer)
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
@@ -105,7 +105,8 @@ class GrammarCompiler:
 
     def matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> Any:
         """A fresh matcher at the start of `compiled`; `stop_token_ids` end the grammar (the
-        tokenizer's EOS when None)."""
+        tokenizer's EOS when None). It can step back over any number of tokens (the draft
+        tokens of speculative decoding)."""
         return xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from minivllm.frontend.metrics.series import Family, Histogram, SlotCollector
+from minivllm.frontend.dp_failover import FailoverStats
+from minivllm.frontend.metrics.series import Family, Histogram, Slot, SlotCollector
 from minivllm.frontend.metrics.shared_values import Aggregate, MetricValues
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
@@ -31,6 +32,30 @@ REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# a data-parallel client's counters (FailoverStats' fields): every API process sees each
+# death and restart (the largest count is the server's); the requests moved off a dead
+# engine-core or failed with it are each process's own (summed)
+FAILOVER_METRICS = (
+    ("deaths", "vllm:engine_core_deaths", "Times the engine-core died.", Aggregate.MAX),
+    (
+        "moved",
+        "vllm:engine_core_requests_moved",
+        "Requests moved off the engine-core when it died, to go on on another.",
+        Aggregate.SUM,
+    ),
+    (
+        "failed",
+        "vllm:engine_core_requests_failed",
+        "Requests that failed when the engine-core died (none left, or the failover limit).",
+        Aggregate.SUM,
+    ),
+    (
+        "restarts",
+        "vllm:engine_core_restarts",
+        "Times the engine-core was restarted.",
+        Aggregate.MAX,
+    ),
+)
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -40,7 +65,8 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
 
 
 class PrometheusStatLogger:
-    """Sets vLLM's gauges, counters and histograms from the collector's stats. With
+    """Sets vLLM's gauges, counters and histograms from the collector's stats; with
+    `failover`, a data-parallel client's counters of engine-core deaths too. With
     `shared_dir`, this is one API process of several: its numbers go to a file there, and
     its registry reports all of theirs (shared_values.py)."""
 
@@ -49,8 +75,12 @@ class PrometheusStatLogger:
         model_name: str,
         max_model_len: int,
         engine_index: int = 0,
+        num_speculative_tokens: int = 0,
+        failover: FailoverStats | None = None,
         shared_dir: str | None = None,
     ) -> None:
+        """`num_speculative_tokens`: k of the engine's speculative decoding (0: none, or not
+        known yet; its counters are exported once an engine that speculates reports)."""
         self.registry = CollectorRegistry(auto_describe=True)
         alone = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
         for collector in alone if shared_dir is None else (PLATFORM_COLLECTOR,):
@@ -61,6 +91,13 @@ class PrometheusStatLogger:
         self._engine_metrics()
         self._token_metrics()
         self._histograms(request_tokens_buckets(max_model_len))
+        self.failover = failover
+        if failover is not None:
+            self._failover_metrics(failover)
+        self.spec: tuple[Slot, ...] | None = None
+        self.spec_per_pos: list[Slot] = []
+        if num_speculative_tokens:
+            self._spec_metrics(num_speculative_tokens)
         self.registry.register(self.collector)
 
     # ------------------------------------------------------------------ definitions
@@ -246,6 +283,43 @@ class PrometheusStatLogger:
                 REQUEST_LATENCY_BUCKETS,
             )
 
+    def _failover_metrics(self, failover: FailoverStats) -> None:
+        """One series per engine-core (`engine` is its index, as in vLLM's data-parallel
+        metrics), copied from `failover` as stats arrive, at each log interval and when
+        scraped, so that the other API processes read them too."""
+        engines = [str(i) for i in range(failover.num_engines)]
+        labels = {"model_name": self.labels["model_name"]}
+        self.failover_counts: list[tuple[str, Family]] = []
+        for field, name, doc, aggregate in FAILOVER_METRICS:
+            family = Family(
+                CounterMetricFamily, name, doc, labels, self.values, aggregate, "engine", engines
+            )
+            self.collector.metrics.append(family)
+            self.failover_counts.append((field, family))
+        self.collector.refresh.append(self._copy_failover)
+
+    def _spec_metrics(self, num_speculative_tokens: int) -> None:
+        """vLLM's speculative-decoding counters (only an engine that speculates has them):
+        the engine's cumulative counts, as every API process hears them. Added after every
+        other metric, so their slots are the same in every process that adds them."""
+        counter, cumulative = CounterMetricFamily, Aggregate.MAX
+        self.spec = tuple(
+            self._family(counter, name, doc, cumulative).only()
+            for name, doc in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            )
+        )
+        per_pos = self._family(
+            counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            cumulative,
+            position=[str(i) for i in range(num_speculative_tokens)],
+        )
+        self.spec_per_pos = list(per_pos.slots.values())
+
     # ------------------------------------------------------------------ updates
 
     def record(self, scheduler: SchedulerUpdate | None, iteration: IterationStats | None) -> None:
@@ -258,8 +332,32 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler.new_prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler.new_prefix_cache_hits)
             self.preemptions.inc(scheduler.new_preemptions)
+            self._record_spec(scheduler)
+            self._copy_failover()
         if iteration is not None:
             self._record_iteration(iteration)
+
+    def _record_spec(self, scheduler: SchedulerUpdate) -> None:
+        per_pos = scheduler.new_spec_accepted_per_pos
+        if per_pos and self.spec is None:  # an engine (a daemon's) that speculates
+            self._spec_metrics(len(per_pos))
+        if self.spec is not None and len(per_pos) == len(self.spec_per_pos):
+            drafts, draft_tokens, accepted = self.spec
+            drafts.inc(scheduler.new_spec_drafts)
+            draft_tokens.inc(scheduler.new_spec_draft_tokens)
+            accepted.inc(scheduler.new_spec_accepted_tokens)
+            for slot, n in zip(self.spec_per_pos, per_pos, strict=True):
+                slot.inc(n)
+
+    def _copy_failover(self) -> None:
+        """The failover counters into this process's slots."""
+        if self.failover is None:
+            return
+        for field, family in self.failover_counts:
+            for slot, value in zip(
+                family.slots.values(), getattr(self.failover, field), strict=True
+            ):
+                slot.set(value)
 
     def _record_iteration(self, it: IterationStats) -> None:
         computed = it.num_prompt_tokens - it.num_cached_prompt_tokens
@@ -285,7 +383,9 @@ class PrometheusStatLogger:
                     histogram.observe(value)
 
     def log(self) -> None:
-        """Prometheus is scraped, not logged."""
+        """Prometheus is scraped, not logged; the failover counters reach the other API
+        processes' scrapes at least this often."""
+        self._copy_failover()
 
     def token_totals(self) -> tuple[float, float]:
         """The prompt tokens computed and the tokens generated so far, by every process

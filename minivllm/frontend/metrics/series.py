@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from prometheus_client.core import (
@@ -108,13 +108,17 @@ class Histogram:
 
 
 class SlotCollector(Collector):
-    """Every series of one `MetricValues`, read once per scrape."""
+    """Every series of one `MetricValues`, read once per scrape, after the `refresh`
+    calls (those that copy numbers kept elsewhere into their slots)."""
 
     def __init__(self, store: MetricValues) -> None:
         self.store = store
         self.metrics: list[Family | Histogram] = []
+        self.refresh: list[Callable[[], None]] = []
 
     def collect(self) -> Iterator[Metric]:
+        for refresh in self.refresh:
+            refresh()
         values = self.store.combined()
         for metric in self.metrics:
             yield metric.collect(values)

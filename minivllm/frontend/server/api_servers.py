@@ -12,9 +12,10 @@ the same engine-cores, as vLLM's flag does.
 Each API process has its index (`client_index`), which keeps its internal request ids apart
 from the others', and writes its metrics to a file of a directory they share, so that
 `/metrics` in any of them is the sum of all (metrics/shared_values.py); only the first logs
-the stats line, with every process's tokens. An API process that dies fails only its own
-requests: its connections close, the engine-cores abort its requests once its heartbeats
-stop (`MINIVLLM_CLIENT_TIMEOUT`), and the others serve on. The serve process stops every
+the stats line, with every process's tokens. Each API process moves its own requests off an
+engine-core that dies (failover, as one process does). An API process that dies fails only
+its own requests: its connections close, the engine-cores abort its requests once its
+heartbeats stop (`MINIVLLM_CLIENT_TIMEOUT`), and the others serve on. The serve process stops every
 process it started on SIGTERM or one Ctrl-C (the API processes ignore SIGINT; the serve
 process sends them SIGTERM), and exits non-zero once no API process is left; if it is
 killed, its children stop on their own (parent-death signal) and the last run directories
@@ -110,6 +111,11 @@ def serve_from_processes(
 
 def _launch_engines(args: argparse.Namespace, group: APIServerGroup) -> EngineConfig | None:
     """Start the engine-cores (none with --connect) without waiting for them; their config."""
+    if args.data_parallel_restart:
+        raise SystemExit(
+            "minivllm serve: --data-parallel-restart needs --api-server-count 1 (the API "
+            "processes attach to the engine-cores as clients; none of them can restart one)"
+        )
     if args.connect:
         return None
     from minivllm.frontend.arg_utils import engine_args_from
@@ -240,7 +246,11 @@ class APIServerGroup:
                         len(self.servers),
                     )
                 else:
-                    logger.error("%s: the API processes fail its requests", describe_exit(proc))
+                    logger.error(
+                        "%s: the API processes move its requests to the other engine-cores "
+                        "(up to --data-parallel-failover-limit) or fail them",
+                        describe_exit(proc),
+                    )
 
 
 def _stop_all(

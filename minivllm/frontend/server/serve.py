@@ -68,25 +68,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a Jinja chat template: a file, or the template itself (text with {, } or a "
         "newline); default: the tokenizer's",
     )
-    p.add_argument(
-        "--connect",
-        default=None,
-        metavar="ADDRESS[,ADDRESS...]",
-        help="attach to a daemon (several: requests routed over them) instead of starting "
-        "an engine; the model's files are not needed here",
-    )
-    p.add_argument(
-        "--curve-server-key",
-        default=None,
-        metavar="FILE",
-        help="with --connect to daemons that ask for CURVE keys: their public key (NAME.key)",
-    )
-    p.add_argument(
-        "--curve-secret-key",
-        default=None,
-        metavar="FILE",
-        help="and this client's secret key (NAME.key_secret, from `minivllm keygen`)",
-    )
+    _add_connect_args(p)
     p.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -119,6 +101,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_args(p, model_required=False)
     p.set_defaults(func=run_server)
+
+
+def _add_connect_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of a server that attaches to daemons instead of starting an engine."""
+    p.add_argument(
+        "--connect",
+        default=None,
+        metavar="ADDRESS[,ADDRESS...]",
+        help="attach to a daemon (several: requests routed over them) instead of starting "
+        "an engine; the model's files are not needed here",
+    )
+    p.add_argument(
+        "--curve-server-key",
+        default=None,
+        metavar="FILE",
+        help="with --connect to daemons that ask for CURVE keys: their public key (NAME.key)",
+    )
+    p.add_argument(
+        "--curve-secret-key",
+        default=None,
+        metavar="FILE",
+        help="and this client's secret key (NAME.key_secret, from `minivllm keygen`)",
+    )
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -159,33 +164,14 @@ def build_state(
     As API process `client_index` of several: its metrics go to `metrics_dir`, shared with
     the others, and only the first logs the stats line (of all of them)."""
     from minivllm.frontend.async_llm import AsyncLLM
-    from minivllm.frontend.dp_client import attach_client, make_client
+    from minivllm.frontend.dp_client import make_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
     from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
     from minivllm.frontend.server.app import ServerState
 
     if args.connect:
-        import torch
-
-        curve = None
-        if args.curve_server_key or args.curve_secret_key:
-            from minivllm.protocol.auth import CurveClientKeys
-
-            try:
-                curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
-            except (TypeError, ValueError) as e:
-                raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
-        # the daemon sends its model config and tokenizer, unless --tokenizer names one here
-        tokenizer = args.tokenizer
-        client = attach_client(
-            args.connect.split(","), curve, asynchronous=True, has_tokenizer=bool(tokenizer)
-        )
-        try:
-            model_config, loaded = client.attached_model(tokenizer)
-        except BaseException:
-            client.shutdown()
-            raise
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        client, model_config, loaded, device = _attach(args)
+        speculative = None  # the daemons': learnt from their stats
     else:
         from minivllm.frontend.arg_utils import engine_args_from
 
@@ -198,10 +184,18 @@ def build_state(
             raise SystemExit(f"minivllm serve: {e}") from None
         model_config, device = config.model, config.device.device
         client, loaded = make_client(config, asynchronous=True), None
+        speculative = config.speculative
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
-        metrics = PrometheusStatLogger(names[0], model_config.max_model_len, shared_dir=metrics_dir)
+        failover = getattr(client, "failover", None)  # several engine-cores
+        metrics = PrometheusStatLogger(
+            names[0],
+            model_config.max_model_len,
+            num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
+            failover=None if failover is None else failover.stats,
+            shared_dir=metrics_dir,
+        )
         loggers = [metrics]
         if client_index == 0:
             totals = None if metrics_dir is None else metrics.token_totals
@@ -217,6 +211,47 @@ def build_state(
         log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
     )
+
+
+def _attach(args: argparse.Namespace):
+    """`--connect`: a client of the daemons, the model config and tokenizer they send (or
+    `--tokenizer`'s), and this machine's device kind."""
+    import torch
+
+    from minivllm.frontend.dp_client import attach_client
+
+    curve = None
+    if args.curve_server_key or args.curve_secret_key:
+        from minivllm.protocol.auth import CurveClientKeys
+
+        try:
+            curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
+    if args.data_parallel_restart:
+        raise SystemExit(
+            "minivllm serve: --data-parallel-restart restarts the engine-cores serve "
+            "starts; with --connect, restart the daemons where they run"
+        )
+    # the daemon sends its model config and tokenizer, unless --tokenizer names one here
+    tokenizer = args.tokenizer
+    try:
+        client = attach_client(
+            args.connect.split(","),
+            curve,
+            asynchronous=True,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=args.data_parallel_failover_limit,
+        )
+    except ValueError as e:
+        raise SystemExit(f"minivllm serve: {e}") from None
+    try:
+        model_config, loaded = client.attached_model(tokenizer)
+    except BaseException:
+        client.shutdown()
+        raise
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return client, model_config, loaded, device
 
 
 def run_server(args: argparse.Namespace) -> None:
