@@ -93,42 +93,54 @@ def _unpack(q, ROWS: tl.constexpr, COLS: tl.constexpr):
 def _w4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr, K,
     stride_xm, stride_qn, stride_sn, stride_om,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr,
+    HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x dequant(W)^T for M <= 4 rows; each program owns BLOCK_N rows of W and reads
-    BLOCK_K of K per iteration, as SLICES chunks of SUB_K that each lie in one group."""
-    SLICES: tl.constexpr = BLOCK_K // SUB_K
+    BLOCK_W words (8 weights each) of them per iteration, taking the words' 8 nibbles in
+    turn: nibble j of word i is weight k = 8i + j, times x[k] (x[perm[k]] under act-order).
+    No unpacked tile is built (no reshape: 2-3x faster than unpacking [BLOCK_N, BLOCK_K]
+    on an H100). A word lies in one group (GROUP is a multiple of 8), so its scale s and zero
+    z are loaded once for its 8 weights, and applied once: sum_j (q_j - z) s x_j =
+    s (sum_j q_j x_j - z sum_j x_j)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_k8 = tl.arange(0, BLOCK_K // 8)
-    offs_slice = tl.arange(0, SLICES) * SUB_K
+    offs_w = tl.arange(0, BLOCK_W)
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :]
+    rows_s = s_ptr + offs_n[:, None] * stride_sn
+    rows_z = z_ptr + offs_n[:, None] * stride_sn
     wait_for_producers(PDL)
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
         # products summed over K once, after the loop (as ops/gemv.py)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            q = tl.load(q_ptr + offs_n[:, None] * stride_qn + k // 8 + offs_k8[None, :])
-            w = _unpack(q, BLOCK_N, BLOCK_K).to(tl.float32)
-            cols = k + offs_k
-            if HAS_PERM:
-                cols = tl.load(perm_ptr + k + offs_k)
-            x = tl.load(x_row + cols).to(tl.float32)
-            if HAS_G_IDX:  # a group per k: gather its scale and zero
-                g = tl.load(g_ptr + k + offs_k)
-                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-            else:  # a group per SUB_K chunk: load each once, spread over its chunk
-                g = (k + offs_slice) // GROUP
-                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
-                s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, SLICES, SUB_K]),
-                               [BLOCK_N, BLOCK_K])  # fmt: skip
-                z = tl.reshape(tl.broadcast_to(z[:, :, None], [BLOCK_N, SLICES, SUB_K]),
-                               [BLOCK_N, BLOCK_K])  # fmt: skip
-            acc += (w - z) * s * x[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for kw in range(0, K // 8, BLOCK_W):
+            q = tl.load(q_ptrs + kw)
+            first = (kw + offs_w) * 8  # each word's first k
+            if HAS_G_IDX:  # a group per k: its scale and zero gathered per nibble
+                for j in tl.static_range(8):
+                    cols = first + j
+                    if HAS_PERM:
+                        cols = tl.load(perm_ptr + first + j)
+                    x = tl.load(x_row + cols).to(tl.float32)[None, :]
+                    g = tl.load(g_ptr + first + j)[None, :]
+                    s = tl.load(rows_s + g).to(tl.float32)
+                    z = tl.load(rows_z + g).to(tl.float32)
+                    acc += (((q >> (4 * j)) & 0xF).to(tl.float32) - z) * s * x
+            else:
+                dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                for j in tl.static_range(8):
+                    cols = first + j
+                    if HAS_PERM:
+                        cols = tl.load(perm_ptr + first + j)
+                    x = tl.load(x_row + cols).to(tl.float32)
+                    dot += ((q >> (4 * j)) & 0xF).to(tl.float32) * x[None, :]
+                    x_sum += x
+                g = (first // GROUP)[None, :]
+                s = tl.load(rows_s + g).to(tl.float32)
+                z = tl.load(rows_z + g).to(tl.float32)
+                acc += s * (dot - z * x_sum[None, :])
         acc = tl.sum(acc, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)
@@ -136,20 +148,21 @@ def _w4_gemv_kernel(
 
 
 class W4GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
+    block_n: int  # rows of W per program
+    block_w: int  # int32 words (8 weights each) of each row per iteration
     num_warps: int
 
 
 def w4_gemv_config(n: int, k: int, group: int) -> W4GemvConfig | None:
-    """4 rows of W per program and 1024 of K (512 bytes of each row) per iteration where
-    the shape allows; None when the kernel cannot tile it."""
-    if n % 4:
+    """16 rows of W per program and 256 words (2048 of K, 1 KB of each row) per iteration
+    where the shape allows: the fastest of 24 tile shapes measured on an H100 at three of
+    Qwen3-8B's four layers (and within 10% at the fourth). None when the kernel cannot tile
+    it."""
+    block_n = next((b for b in (16, 8, 4) if n % b == 0), None)
+    block_w = next((b for b in (256, 128, 64, 32, 16, 8, 4) if k % (8 * b) == 0), None)
+    if block_n is None or block_w is None or group % 8:
         return None
-    block_k = next((b for b in (1024, 512, 256, 128, 64, 32) if k % b == 0), None)
-    if block_k is None or (group % min(block_k, group) or min(block_k, group) % 8):
-        return None
-    return W4GemvConfig(4, block_k, 4)
+    return W4GemvConfig(block_n, block_w, 4)
 
 
 def w4_gemv(
@@ -158,7 +171,7 @@ def w4_gemv(
     """x [M <= 4, K] @ dequant(W)^T -> [M, N] in x's dtype (float32 accumulation)."""
     m, k = x.shape
     n = w.qweight.shape[0]
-    if not (1 <= m <= 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0):
+    if not (1 <= m <= 4 and n % cfg.block_n == 0 and k % (8 * cfg.block_w) == 0):
         raise ValueError(f"config {cfg} does not tile M={m}, N={n}, K={k}")
     assert x.stride(1) == 1 and w.scales.stride(0) == w.zeros.stride(0)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -167,8 +180,8 @@ def w4_gemv(
         x, w.qweight, w.scales, w.zeros, dummy if w.perm is None else w.perm,
         dummy if w.g_idx is None else w.g_idx, dummy if bias is None else bias, out, k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=min(cfg.block_k, w.group_size),
-        GROUP=w.group_size, HAS_PERM=w.perm is not None, HAS_G_IDX=w.g_idx is not None,
+        M=m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, GROUP=w.group_size,
+        HAS_PERM=w.perm is not None, HAS_G_IDX=w.g_idx is not None,
         HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl(x),
     )  # fmt: skip
     return out
