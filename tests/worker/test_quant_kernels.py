@@ -135,7 +135,9 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
             want = (xp.double() @ ops.dequantize_w4(w, torch.float64).T + bias.double()).float()
             # the GEMM feeds tl.dot W dequantized to x's dtype (bfloat16: 8 bits), the GEMV
             # multiplies in float32
-            w16 = ops.dequantize_w4(w, dtype).double()
+            w16 = ops.dequantize_w4(w, dtype)
+            assert torch.equal(ops.w4_dequantize(w, dtype), w16), name
+            w16 = w16.double()
             want_gemm = (xp.double() @ w16.T + bias.double()).float()
             got = ops.w4_gemm(x, w, bias)
             torch.testing.assert_close(
@@ -143,6 +145,13 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
                 want_gemm,
                 **tol,
                 msg=lambda e, where=f"gemm {name} {m}x{n}x{k}": f"{where}: {e}",
+            )
+            got = ops.w4_dequantized_linear(x, w, bias)
+            torch.testing.assert_close(
+                got.float(),
+                want_gemm,
+                **tol,
+                msg=lambda e, where=f"dequantized {name} {m}x{n}x{k}": f"{where}: {e}",
             )
             if m <= 4:
                 cfg = ops.w4_gemv_config(n, k, w.group_size)

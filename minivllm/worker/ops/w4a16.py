@@ -10,8 +10,11 @@ Both formats are repacked at load into one layout, read along K like the 16-bit 
 - act-order (`desc_act`) checkpoints are permuted at load so that each group's rows lie
   together (exllama's shuffle): the kernels then read x at `perm[k]` instead of k.
 
-`w4_gemv` serves one to four rows (decode), `w4_gemm` any number (prompts, tl.dot on the
-tensor cores in the activation dtype); `dequantize_w4` is the torch reference.
+`w4_gemv` serves one to four rows (decode), `w4_gemm` up to a few hundred (tl.dot on the
+tensor cores in the activation dtype); a prompt's many rows multiply a 16-bit W that
+`w4_dequantize` writes, on cuBLAS (the same products as the GEMM's; it reads 16-bit weights
+once per prompt and runs at the tensor cores' full rate). `dequantize_w4` is the torch
+reference.
 """
 
 from __future__ import annotations
@@ -267,3 +270,56 @@ def w4_gemm(x: torch.Tensor, w: W4Weights, bias: torch.Tensor | None = None) -> 
         num_warps=warps, num_stages=stages, **pdl(x),
     )  # fmt: skip
     return c
+
+
+@triton.jit
+def _w4_dequantize_kernel(
+    q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+):  # fmt: skip
+    """W [N, K] in out's dtype, rounded from float32 as `dequantize_w4` rounds it: each
+    program expands BLOCK_N rows x BLOCK_W words, nibble j of word i to column 8i + j."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (offs_n[:, None] < N) & (offs_w[None, :] < K // 8)
+    q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0)
+    first = offs_w * 8
+    rows_s = s_ptr + offs_n[:, None] * stride_sn
+    rows_z = z_ptr + offs_n[:, None] * stride_sn
+    out_rows = out_ptr + offs_n[:, None] * stride_on
+    for j in tl.static_range(8):
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + first + j, mask=offs_w < K // 8, other=0)[None, :]
+        else:
+            g = ((first + j) // GROUP)[None, :]
+        s = tl.load(rows_s + g, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(rows_z + g, mask=mask, other=0).to(tl.float32)
+        w = (((q >> (4 * j)) & 0xF).to(tl.float32) - z) * s
+        tl.store(out_rows + first[None, :] + j, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4_dequantize(w: W4Weights, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (columns in the kernels' order), on the GPU: what
+    `dequantize_w4` computes, without its int32 and float32 copies of W."""
+    n, k = w.qweight.shape[0], w.qweight.shape[1] * 8
+    out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
+    block_n, block_w = 16, 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // 8, block_w))
+    _w4_dequantize_kernel[grid](
+        w.qweight, w.scales, w.zeros, w.qweight if w.g_idx is None else w.g_idx, out, n, k,
+        w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_W=block_w, GROUP=w.group_size, HAS_G_IDX=w.g_idx is not None,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def w4_dequantized_linear(
+    x: torch.Tensor, w: W4Weights, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T for a prompt's many rows: W dequantized to x's dtype, then
+    cuBLAS (x's columns permuted first under act-order)."""
+    if w.perm is not None:
+        x = x.index_select(1, w.perm.long())
+    return torch.nn.functional.linear(x, w4_dequantize(w, x.dtype), bias)

@@ -13,6 +13,9 @@ from minivllm.worker.ops._triton import use_triton
 
 NIBBLES = 8  # 4-bit values per int32
 SHIFTS = tuple(range(0, 32, 4))
+# from this many rows W is dequantized to 16 bits for cuBLAS rather than fed to the W4A16
+# GEMM (vLLM's AWQ threshold)
+DEQUANTIZE_ROWS = 256
 
 
 def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -97,6 +100,6 @@ class W4LinearMethod(LinearMethod):
             cfg = ops.w4_gemv_config(n, k, w.group_size)
             if cfg is not None:
                 return ops.w4_gemv(x, w, cfg, bias)
-        if ops.w4_gemm_block_k(k, w.group_size) is None:
-            return ops.w4_linear_torch(x, w, bias)
+        if x.shape[0] >= DEQUANTIZE_ROWS or ops.w4_gemm_block_k(k, w.group_size) is None:
+            return ops.w4_dequantized_linear(x, w, bias)
         return ops.w4_gemm(x, w, bias)
