@@ -146,8 +146,8 @@ def kill_run(llm: Any, prompts: list[list[int]], lens: list[int]) -> dict:
 
 def main() -> int:
     from minivllm import LLM
-    from minivllm.frontend.bench.geometry import write_geometry
-    from minivllm.frontend.bench.workloads import reference_workload
+    from minivllm.benchmarks.geometry import write_geometry
+    from minivllm.benchmarks.workloads import reference_workload
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -35,8 +35,8 @@ NUM_WARMUPS = 8
 
 
 def offline_throughput(engine_args, num_prompts: int) -> float:
-    from minivllm.frontend.bench.throughput import print_vllm_lines, run_minivllm
-    from minivllm.frontend.bench.workloads import REFERENCE_TEMPERATURE, reference_workload
+    from minivllm.benchmarks.throughput import print_vllm_lines, run_minivllm
+    from minivllm.benchmarks.workloads import REFERENCE_TEMPERATURE, reference_workload
     from minivllm.frontend.llm import LLM
 
     workload = reference_workload().subset(num_prompts)
@@ -87,11 +87,11 @@ def main() -> None:
     sys.path.insert(0, _REPO)
     import uvloop
 
+    from minivllm.benchmarks import serve as bench_serve
+    from minivllm.benchmarks.common import max_token_id
+    from minivllm.benchmarks.geometry import write_geometry
+    from minivllm.benchmarks.workloads import random_workload
     from minivllm.config import EngineArgs
-    from minivllm.frontend.bench import serve as bench_serve
-    from minivllm.frontend.bench.common import max_token_id
-    from minivllm.frontend.bench.geometry import write_geometry
-    from minivllm.frontend.bench.workloads import random_workload
     from minivllm.frontend.server.launch import ServerProcess
 
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, _REPO)
-    from minivllm.frontend.bench import serve as bench_serve
-    from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+    from minivllm.benchmarks import serve as bench_serve
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
     from minivllm.frontend.server.launch import ServerProcess
 
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -175,7 +175,7 @@ class BadPeer:
     def __init__(self, address: str, vocab: int) -> None:
         import zmq
 
-        from minivllm.frontend.mp_client import SyncMPClient
+        from minivllm.frontend.clients.mp_client import SyncMPClient
 
         self.rng = random.Random(7)
         self.vocab = vocab
@@ -242,7 +242,7 @@ def _held(samples: list[dict], baseline: dict, names: list[str]) -> bool:
 
 
 def driver_main(args: argparse.Namespace) -> int:
-    from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
 
     work = tempfile.mkdtemp(prefix="soak-")  # mode 700: the daemon's ipc socket lives here
     model = build_null_checkpoint(os.path.join(work, "null"))

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from minivllm.frontend.bench.floor import ExpertTraffic, memory_floor
-from minivllm.frontend.bench.geometry import (
+from minivllm.benchmarks.floor import ExpertTraffic, memory_floor
+from minivllm.benchmarks.geometry import (
     GEOMETRIES,
     expert_parameters,
     num_parameters,
     sparse_layers,
 )
-from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.benchmarks.workloads import random_workload, reference_workload
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

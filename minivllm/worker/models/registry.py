@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from minivllm.benchmarks.null_model import NullForCausalLM
 from minivllm.config import ModelConfig
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
-from minivllm.worker.models.null_model import NullForCausalLM
 
 _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "LlamaForCausalLM": (CausalLM, DecoderVariant()),

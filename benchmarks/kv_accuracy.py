@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from minivllm.config import resolve_device
-from minivllm.frontend.bench.common import (
+from minivllm.benchmarks.common import (
     add_bench_args,
     bench_engine_args,
     max_token_id,
     model_dir,
 )
-from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.benchmarks.workloads import random_workload, reference_workload
+from minivllm.config import resolve_device
 from minivllm.gguf_file import pretrained_args
 
 

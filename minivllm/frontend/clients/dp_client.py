@@ -19,11 +19,11 @@ import zmq
 
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
-from minivllm.frontend.core_client import EngineCoreClient
-from minivllm.frontend.core_launch import EngineCoreLaunch
-from minivllm.frontend.dp_placement import engine_configs
-from minivllm.frontend.dp_router import DPRouter
-from minivllm.frontend.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient, _MPClient
+from minivllm.frontend.clients.core_client import EngineCoreClient
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.dp_placement import engine_configs
+from minivllm.frontend.clients.dp_router import DPRouter
+from minivllm.frontend.clients.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient, _MPClient
 from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import (

@@ -15,8 +15,7 @@ import random
 from typing import Any
 
 import torch
-
-from minivllm.frontend.bench.moe_kernels import bench_moe
+from moe_kernels import bench_moe
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DEV = "cuda"

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.async_llm import AsyncLLM
-from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
 from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams

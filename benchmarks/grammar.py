@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from minivllm import EngineArgs, SamplingParams, StructuredOutputsParams, envs
-from minivllm.frontend.bench.common import add_model_args, model_dir
-from minivllm.frontend.bench.structured import SCHEMA
+from minivllm.benchmarks.common import add_model_args, model_dir
+from minivllm.benchmarks.structured import SCHEMA
 from minivllm.frontend.llm_engine import LLMEngine
 
 

@@ -34,7 +34,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput, latency, serving and engine-overhead benchmarks")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     for name, help in COMMANDS.items():
-        module = importlib.import_module(f"minivllm.frontend.bench.{name.replace('-', '_')}")
+        module = importlib.import_module(f"minivllm.benchmarks.{name.replace('-', '_')}")
         cmd = bench_sub.add_parser(
             name,
             help=help,

@@ -9,14 +9,14 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs, read_hf_config, resolve_device
-from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
-from minivllm.frontend.bench.geometry import (
+from minivllm.benchmarks.geometry import (
     DEFAULT_CPU_GEOMETRY,
     DEFAULT_GPU_GEOMETRY,
     GEOMETRIES,
     write_geometry,
 )
+from minivllm.config import EngineArgs, read_hf_config, resolve_device
+from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
+from minivllm.benchmarks.common import add_bench_args, bench_engine_args, model_dir
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
 

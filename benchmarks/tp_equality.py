@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from minivllm import LLM, SamplingParams
-from minivllm.frontend.bench.geometry import write_geometry
+from minivllm.benchmarks.geometry import write_geometry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
