@@ -1,4 +1,4 @@
-"""`minivllm bench kv-accuracy`: what an FP8 KV cache costs in next-token accuracy.
+"""`python benchmarks/kv_accuracy.py`: what an FP8 KV cache costs in next-token accuracy.
 
 Each prompt runs through the model once with a KV cache of the model's dtype and once with an
 FP8 cache. Attention reads every key and value back from the cache, the step's own included,
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minivllm.benchmarks import run_script
 from minivllm.benchmarks.common import (
     add_bench_args,
     bench_engine_args,
@@ -160,3 +161,7 @@ def main(args: argparse.Namespace) -> dict:
             k: getattr(agreement, k) for k in ("positions", "top1", "mean_kl", "max_kl")
         }
     return figures
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

@@ -1,4 +1,4 @@
-"""`minivllm bench overhead`: what the engine costs around the model, on the CPU.
+"""`python benchmarks/overhead.py`: what the engine costs around the model, on the CPU.
 
 The null model (no forward pass) runs behind the full multiprocess pipeline: frontend
 process -> engine-core process -> worker process. Measured:
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.benchmarks import run_script
 from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
@@ -202,3 +203,7 @@ def main(args: argparse.Namespace) -> dict:
             _report("LLM.generate (sync)", sync)
             figures.update(sync.figures("sync"))
     return figures
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

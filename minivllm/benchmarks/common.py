@@ -1,4 +1,5 @@
-"""Shared pieces of the `minivllm bench` commands: the model directory and engine args."""
+"""Shared pieces of the benchmarks (`minivllm bench` and the benchmarks/ scripts): the model
+directory and engine args."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`minivllm bench`: the workloads' totals, the memory floor, and one end-to-end run."""
+"""`minivllm bench`: the workloads' totals, the memory floor, and end-to-end runs (with
+benchmarks/grammar.py, which reads the structured-outputs workload)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert re.search(r"^json-schema: \d+ of 4 outputs completed the schema", proc.stdout, re.M)
     assert re.search(r"^json-schema: \d+ output tok/s = [\d.]+% of plain$", proc.stdout, re.M)
 
-    cmd = base + ["grammar", "--model", qwen3_dir, "--tokenizer", qwen3_dir, "--device", "cpu"]
+    cmd = [sys.executable, os.path.join(_REPO, "benchmarks", "grammar.py"), "--model", qwen3_dir]
+    cmd += ["--tokenizer", qwen3_dir, "--device", "cpu"]
     cmd += ["--rows", "8", "--steps", "4", "--num-requests", "8", "--input-len", "16"]
     cmd += ["--output-len", "48", "--num-new-schemas", "3"]
     trace = {"MINIVLLM_STEP_TRACE": str(tmp_path / "trace.jsonl")}
@@ -133,4 +135,15 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the 8-field schema compiled in" in proc.stdout
     assert re.search(r"^  fill +[\d.]+ +[\d.]+$", proc.stdout, re.M), proc.stdout
-    assert (tmp_path / "trace.jsonl").exists()
+    # the trace's summary, by the script that reads it
+    cmd = [
+        sys.executable,
+        os.path.join(_REPO, "benchmarks", "trace.py"),
+        trace["MINIVLLM_STEP_TRACE"],
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(
+        r"^\d+ steps, [\d.]+ s from the first launch to the last output$", proc.stdout, re.M
+    )
+    assert re.search(r"^grammar bitmask: \d+ steps; sent ", proc.stdout, re.M), proc.stdout
