@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.benchmarks import run_script
-from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
+from minivllm.benchmarks.null_checkpoint import build_null_checkpoint, register_null_model
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.async_llm import AsyncLLM
@@ -174,6 +174,7 @@ def _report(label: str, r: StreamResult) -> None:
 def main(args: argparse.Namespace) -> dict:
     import uvloop
 
+    register_null_model()  # also for --model DIR: a null checkpoint of one's own
     with tempfile.TemporaryDirectory(prefix="minivllm-null-") as tmp:
         model = args.model or build_null_checkpoint(tmp)
         overrides: dict[str, Any] = {"model": model}

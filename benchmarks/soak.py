@@ -242,7 +242,7 @@ def _held(samples: list[dict], baseline: dict, names: list[str]) -> bool:
 
 
 def driver_main(args: argparse.Namespace) -> int:
-    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint, null_model_env
 
     work = tempfile.mkdtemp(prefix="soak-")  # mode 700: the daemon's ipc socket lives here
     model = build_null_checkpoint(os.path.join(work, "null"))
@@ -252,12 +252,12 @@ def driver_main(args: argparse.Namespace) -> int:
     log = open(os.path.join(work, "clients.log"), "w")  # noqa: SIM115
     daemon_log = open(os.path.join(work, "daemon.log"), "w")  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    daemon = subprocess.Popen(
+    daemon = subprocess.Popen(  # a process on its own: the null model is its plugin
         [sys.executable, "-m", "minivllm.frontend.cli", "engine-core", "--model", model]
         + ["--address", address],
         stdout=daemon_log,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=null_model_env(env),
     )
     while "engine-core listening" not in _read(daemon_log.name):
         if daemon.poll() is not None:

@@ -1,9 +1,10 @@
-"""Architecture name (config.json "architectures"[0]) -> model class and variant."""
+"""Architecture name (config.json "architectures"[0]) -> model class and variant: the
+built-in ones here, and those registered with `ModelRegistry` (model_registry.py)."""
 
 from __future__ import annotations
 
-from minivllm.benchmarks.null_model import NullForCausalLM
 from minivllm.config import ModelConfig
+from minivllm.model_registry import ModelRegistry
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
 
 _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
@@ -15,26 +16,29 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "MixtralForCausalLM": (CausalLM, DecoderVariant(norm_topk_prob=True)),
     # Phi-3 and Phi-4 (Phi-4-mini too); resid_pdrop and the other dropouts are training's
     "Phi3ForCausalLM": (CausalLM, DecoderVariant(fused_checkpoint=True)),
-    "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return sorted({*_ARCHITECTURES, *ModelRegistry.registered()})
 
 
-def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVariant]:
+def resolve_architecture(config: ModelConfig) -> tuple[type, DecoderVariant]:
     """The model class and the variant of config's checkpoint, or ValueError naming what is
-    not supported."""
+    not supported. A registered class comes first: in place of a built-in one it gets that
+    one's variant; of its own architecture, the plain variant (it reads what it needs)."""
     arch = config.architecture
+    registered = ModelRegistry.model_class(arch)
     if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"architecture {arch!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        if registered is None:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: "
+                f"{', '.join(supported_architectures())}"
+            )
+        return registered, DecoderVariant()
     check_sliding_window(config)
     model_cls, variant = _ARCHITECTURES[arch]
-    return model_cls, variant.for_checkpoint(config.hf_config)
+    return registered or model_cls, variant.for_checkpoint(config.hf_config)
 
 
 # architectures whose config's sliding_window applies without use_sliding_window (Qwen2's
