@@ -62,7 +62,18 @@ class EngineCore:
         self.config = config
         executor_class = executor_class or _executor_class(config)
         start = time.monotonic()
-        self.executor = executor_class(config)
+        model = config.model
+        # first: its compiler builds in the background while the workers start
+        self.structured = StructuredOutputManager(
+            None if model.skip_tokenizer_init else model.tokenizer,
+            model.vocab_size,
+            config.scheduler.max_num_seqs,
+        )
+        try:
+            self.executor = executor_class(config)
+        except BaseException:
+            self.structured.shutdown()
+            raise
         try:
             self.num_blocks = self.executor.num_blocks
             self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
@@ -70,13 +81,8 @@ class EngineCore:
             self.batch_queue: deque[_InFlight] = deque()
             self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
             self.trace = StepTrace()
-            model = config.model
-            self.structured = StructuredOutputManager(
-                None if model.skip_tokenizer_init else model.tokenizer,
-                model.vocab_size,
-                config.scheduler.max_num_seqs,
-            )
         except BaseException:  # the workers are up: they must not outlive a failed start
+            self.structured.shutdown()
             self.executor.shutdown()
             raise
         # requests refused at arrival (or whose grammar failed), answered with an error

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import logging
 import os
 import threading
@@ -89,7 +90,11 @@ class StructuredOutputManager:
             max_workers=2, thread_name_prefix="grammar", initializer=_lower_priority
         )
         self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
-        self._compiler: Future[GrammarCompiler] | None = None  # built with the first grammar
+        self._compiler: Future[GrammarCompiler] | None = None
+        if tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
+            # built now, in the background: the tokenizer's load (and transformers' import,
+            # seconds) would otherwise delay the first structured request
+            self._compiler = self._pool.submit(GrammarCompiler, tokenizer, vocab_size)
         # compiled grammars, least recently used first out (an 8-field JSON schema's takes
         # ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
         self._grammars: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
