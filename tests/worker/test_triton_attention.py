@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import sys
 import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from tests.triton_interpreter import needs_triton, run_interpreted
+
+if TYPE_CHECKING:
+    from minivllm.worker.attention.metadata import AttentionMetadata
 
 # name -> (seqs as (query_len, seq_len), num_heads, num_kv_heads, head_dim, block_size, splits)
 CASES: dict[str, tuple] = {
@@ -37,17 +42,30 @@ CASES: dict[str, tuple] = {
 }
 
 
-def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) -> None:
-    from minivllm.worker.attention.metadata import AttentionMetadata
-    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
-    from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
-    from tests.attention_step import attend
+@dataclass
+class PagedBatch:
+    """A case's step in float64 on the CPU: the KV cache (garbage, each sequence's cached
+    prefix written into its blocks), the step's q, k, v and slot mapping (two padded rows at
+    the end, slot -1), and each sequence's query and whole keys and values (the reference's)."""
 
+    seqs: list[tuple[int, int]]
+    num_decodes: int  # the leading sequences with one query token, as the runner orders them
+    shared: int  # tokens of the prefix the decodes share (cascade cases), else 0
+    block_table: torch.Tensor
+    cache: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    qs: list[torch.Tensor]
+    full_k: list[torch.Tensor]
+    full_v: list[torch.Tensor]
+
+
+def paged_batch(name: str) -> PagedBatch:
     seqs, num_heads, num_kv_heads, head_dim, block_size, splits = CASES[name]
-    shared = splits if name.startswith("cascade") else 0  # tokens of the shared prefix
-    splits = None if shared else splits
+    shared = splits if name.startswith("cascade") else 0
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    # a "decode" here is any leading sequence with one query token (as the runner orders them)
     num_decodes = next((i for i, (q_len, _) in enumerate(seqs) if q_len != 1), len(seqs))
     max_blocks = max(-(-s // block_size) for _, s in seqs) + 1
     num_blocks = len(seqs) * max_blocks + 3
@@ -59,8 +77,7 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    cache = rand(*shape)  # garbage everywhere; the prefixes are written below
+    cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
     shared_k, shared_v = rand(shared, num_kv_heads, head_dim), rand(shared, num_kv_heads, head_dim)
     qs, ks, vs, slots, full_k, full_v = [], [], [], [], [], []
     for i, (q_len, seq_len) in enumerate(seqs):
@@ -81,30 +98,28 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         vs.append(torch.cat([vf[prefix:], rand(q_len - n_new, num_kv_heads, head_dim)]))
         slots.append(torch.cat([slot[prefix:], torch.full((q_len - n_new,), -1)]))
     pad = 2  # padded rows, as in a CUDA graph batch: slot -1
-    q = torch.cat(qs + [rand(pad, num_heads, head_dim)])
-    k = torch.cat(ks + [rand(pad, num_kv_heads, head_dim)])
-    v = torch.cat(vs + [rand(pad, num_kv_heads, head_dim)])
-    slot_mapping = torch.cat(slots + [torch.full((pad,), -1)])
+    return PagedBatch(
+        seqs,
+        num_decodes,
+        shared,
+        block_table,
+        cache,
+        q=torch.cat(qs + [rand(pad, num_heads, head_dim)]),
+        k=torch.cat(ks + [rand(pad, num_kv_heads, head_dim)]),
+        v=torch.cat(vs + [rand(pad, num_kv_heads, head_dim)]),
+        slot_mapping=torch.cat(slots + [torch.full((pad,), -1)]),
+        qs=qs,
+        full_k=full_k,
+        full_v=full_v,
+    )
 
-    # an FP8 cache: scales that put the values well inside e4m3's range, one saturating
-    kv_scale = torch.tensor([0.02, 0.006], device=device) if fp8 else None
-    cache_dtype = FP8 if fp8 else dtype
 
-    def stored_as(x: torch.Tensor, i: int) -> torch.Tensor:
-        """x as the cache holds it, read back in float64 (the reference's inputs)."""
-        x = x.to(dtype)  # the kernels see the model's dtype first
-        if not fp8:
-            return x.double()
-        return dequantize(quantize(x, kv_scale[i].cpu(), FP8), kv_scale[i].cpu(), torch.float64)
+def batch_metadata(name: str, batch: PagedBatch, device: str) -> AttentionMetadata:
+    from minivllm.worker.attention.metadata import AttentionMetadata
 
-    cache = torch.stack([stored_as(cache[i], i) for i in range(2)])
-    expected_cache = cache.clone().view(2, -1, num_kv_heads, head_dim)
-    stored = slot_mapping >= 0
-    expected_cache[0, slot_mapping[stored]] = stored_as(k[stored], 0)
-    expected_cache[1, slot_mapping[stored]] = stored_as(v[stored], 1)
-
+    seqs, num_decodes, shared = batch.seqs, batch.num_decodes, batch.shared
     q_lens = torch.tensor([q_len for q_len, _ in seqs])
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         num_tokens=int(q_lens.sum()),
         num_seqs=len(seqs),
         num_decodes=num_decodes,
@@ -112,9 +127,9 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         max_seq_len=max(s for _, s in seqs),
         query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
         seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=device),
-        block_table=block_table.to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_size=block_size,
+        block_table=batch.block_table.to(device),
+        slot_mapping=batch.slot_mapping.to(device),
+        block_size=CASES[name][4],
         query_start_loc_cpu=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
         # longest context first, as the runner orders decodes ("decode" keeps batch order)
         decode_order=None
@@ -127,46 +142,78 @@ def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) ->
         if shared
         else None,
     )
+
+
+def check_case(name: str, device: str, dtype: torch.dtype, fp8: bool = False) -> None:
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+    from minivllm.worker.ops.kv_cache import FP8, dequantize, quantize
+    from tests.attention_step import attend
+
+    _, num_heads, num_kv_heads, head_dim, _, splits = CASES[name]
+    batch = paged_batch(name)
+    # an FP8 cache: scales that put the values well inside e4m3's range, one saturating
+    kv_scale = torch.tensor([0.02, 0.006], device=device) if fp8 else None
+    cache_dtype = FP8 if fp8 else dtype
+
+    def stored_as(x: torch.Tensor, i: int) -> torch.Tensor:
+        """x as the cache holds it, read back in float64 (the reference's inputs)."""
+        x = x.to(dtype)  # the kernels see the model's dtype first
+        if not fp8:
+            return x.double()
+        return dequantize(quantize(x, kv_scale[i].cpu(), FP8), kv_scale[i].cpu(), torch.float64)
+
+    cache = torch.stack([stored_as(batch.cache[i], i) for i in range(2)])
+    expected_cache = cache.clone().view(2, -1, num_kv_heads, head_dim)
+    slot_mapping, k, v = batch.slot_mapping, batch.k, batch.v
+    stored = slot_mapping >= 0
+    expected_cache[0, slot_mapping[stored]] = stored_as(k[stored], 0)
+    expected_cache[1, slot_mapping[stored]] = stored_as(v[stored], 1)
+
     scale = head_dim**-0.5
     dev = {"dtype": dtype, "device": device}
     scales = kv_scale.cpu() if fp8 else torch.ones(2)
     kv_cache = torch.stack([quantize(cache[i], scales[i], cache_dtype) for i in range(2)])
     kv_cache = kv_cache.to(device)
-    k, v = k.to(**dev), v.to(**dev)
     out = attend(
-        TritonAttentionBackend(num_splits=splits),
-        q.to(**dev),
-        k,
-        v,
+        TritonAttentionBackend(num_splits=None if batch.shared else splits),
+        batch.q.to(**dev),
+        k.to(**dev),
+        v.to(**dev),
         kv_cache,
-        meta,
+        batch_metadata(name, batch, device),
         scale,
         kv_scale,
     )
 
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
     got_cache = kv_cache.view(2, -1, num_kv_heads, head_dim).cpu()
     got_cache = torch.stack([dequantize(got_cache[i], scales[i], torch.float64) for i in range(2)])
     torch.testing.assert_close(got_cache, expected_cache, atol=0, rtol=0)
-    gqa = num_heads // num_kv_heads
     row = 0
-    for i, (q_len, seq_len) in enumerate(seqs):
+    for i, (q_len, seq_len) in enumerate(batch.seqs):
         got = out[row : row + q_len].double().cpu()
         row += q_len
         if seq_len == 0:  # a padded decode row
             assert torch.all(got == 0), name
             continue
         # round inputs the way the kernel sees them
-        qi = qs[i].to(dtype).double()
-        kf = stored_as(full_k[i], 0).repeat_interleave(gqa, dim=1)
-        vf = stored_as(full_v[i], 1).repeat_interleave(gqa, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qi, kf) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
-        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+        kf = stored_as(batch.full_k[i], 0).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        vf = stored_as(batch.full_v[i], 1).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        ref = _causal_attention(batch.qs[i].to(dtype).double(), kf, vf, scale)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(
             got, ref, atol=tol, rtol=tol, msg=lambda m, i=i: f"{name} {i}: {m}"
         )
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Dense attention of the last len(q) positions of a sequence over all len(k) of it."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 @needs_triton
