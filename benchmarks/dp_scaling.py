@@ -11,9 +11,11 @@ ignore_eos:
   big        1,024 requests of the reference length distribution (seed 1), where one GPU's
              KV cache is the limit; each DP=2 run prints the routing balance (requests and
              output tokens per engine-core);
-  kill       DP=2 on the reference workload, SIGKILL of engine-core 1 once both stream:
-             its requests must fail with EngineCoreDeadError, engine-core 0's must finish
-             with every token; prints the time from the kill to the error.
+  kill       DP=2 on the reference workload, SIGKILL of engine-core 1 once both stream and
+             a quarter of the output tokens are delivered:
+             its unfinished requests move to engine-core 0 (failover) and all must finish
+             with every token; prints how many moved, the time from the kill until a moved
+             request streams again, and the time to finish against the DP=2 reference run.
 One DP=1 engine serves the first two runs, one DP=2 engine all three (start-ups are the
 slow part). --shared-gpu puts both engine-cores of DP=2 on GPU 0 with
 gpu_memory_utilization 0.45 each (DP=1 keeps 0.9). Exits 1 if any token is missing.
@@ -86,13 +88,18 @@ def timed_run(llm: Any, name: str, prompts: list[list[int]], lens: list[int]) ->
     return result
 
 
-def kill_run(llm: Any, prompts: list[list[int]], lens: list[int]) -> dict:
-    """Kill engine-core 1 mid-run through the step API: its requests fail, the rest finish."""
+def kill_run(
+    llm: Any, prompts: list[list[int]], lens: list[int], reference_s: float | None
+) -> dict:
+    """Kill engine-core 1 a quarter into the run, through the step API: its unfinished requests move to
+    engine-core 0 and every request must finish with every token. `reference_s`: the same
+    workload's time at DP=2 without a kill."""
     from minivllm import SamplingParams
     from minivllm.exceptions import EngineCoreDeadError
 
     engine = llm.llm_engine
     client = engine.engine_core
+    start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
         params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True)
         engine.add_request(f"k{i}", {"prompt_token_ids": p}, params)
@@ -101,45 +108,54 @@ def kill_run(llm: Any, prompts: list[list[int]], lens: list[int]) -> dict:
         for i in range(len(prompts))
     }
     tokens: dict[str, int] = {}
-    finished: set[str] = set()
+    quarter = sum(lens) // 4  # the kill comes once both stream and a quarter is delivered
     streaming: set[int] = set()
-    killed_at = error_at = None
-    lost: list[str] = []
+    killed_at = moved_at = None
+    errors: list[str] = []
     while engine.has_unfinished_requests():
         try:
             outs = engine.step()
         except EngineCoreDeadError as e:
-            error_at = time.monotonic()
-            lost = e.request_ids
-            print(f"kill: {len(lost)} requests failed with EngineCoreDeadError: {e}")
+            errors.append(str(e))
             continue
         for o in outs:
             tokens[o.request_id] = len(o.outputs[0].token_ids)
-            streaming.add(owner[o.request_id])
-            if o.finished:
-                finished.add(o.request_id)
-        if killed_at is None and streaming == {0, 1}:
-            killed_at = time.monotonic()
+            if killed_at is None:
+                streaming.add(owner[o.request_id])
+            elif moved_at is None and owner[o.request_id] == 1:
+                moved_at = time.perf_counter()  # engine-core 0 streams a moved request
+        if killed_at is None and streaming == {0, 1} and sum(tokens.values()) >= quarter:
+            killed_at = time.perf_counter()
             os.kill(client.clients[1].proc.pid, signal.SIGKILL)
-    on_survivor = [r for r, e in owner.items() if e == 0]
-    complete = [r for r, n in zip(owner, lens, strict=True) if owner[r] == 0 and tokens.get(r) == n]
-    # a request of the killed core that ended before the kill is neither lost nor failed
-    done_before = len([r for r in finished if owner[r] == 1])
-    waited = None if error_at is None or killed_at is None else error_at - killed_at
+    elapsed = time.perf_counter() - start
+    complete = sum(tokens.get(r) == n for r, n in zip(owner, lens, strict=True))
+    stats = client.failover.stats
     result = {
         "run": "kill",
-        "requests_on_killed_core": len(owner) - len(on_survivor),
-        "finished_before_kill": done_before,
-        "failed_with_engine_core_dead": len(lost),
-        "requests_on_survivor": len(on_survivor),
-        "survivor_requests_complete": len(complete),
-        "seconds_kill_to_error": waited,
+        "requests": len(owner),
+        "requests_complete": complete,
+        "output_tokens": sum(tokens.values()),
+        "expected_tokens": sum(lens),
+        "requests_moved": stats.moved[1],
+        "requests_failed": sum(stats.failed),
+        "errors": errors,
+        "seconds_to_kill": None if killed_at is None else killed_at - start,
+        "seconds_kill_to_moved_token": None if moved_at is None else moved_at - killed_at,
+        "elapsed_s": elapsed,
+        "reference_elapsed_s": reference_s,
     }
+    moved = result["seconds_kill_to_moved_token"]
+    versus = (
+        ""
+        if reference_s is None
+        else f" (without the kill: {reference_s:.2f} s, {elapsed / reference_s:.2f}x)"
+    )
     print(
-        f"kill: engine-core 1 killed; {len(lost)} of its {result['requests_on_killed_core']} "
-        f"requests failed ({done_before} had finished) after "
-        f"{'no error' if waited is None else f'{waited:.2f} s'}; engine-core 0 finished "
-        f"{len(complete)} of its {len(on_survivor)} with every token"
+        f"kill: engine-core 1 killed {result['seconds_to_kill'] or 0:.2f} s in; "
+        f"{stats.moved[1]} requests moved to engine-core 0, the first streaming again after "
+        f"{'never' if moved is None else f'{moved:.2f} s'}; {sum(stats.failed)} failed; "
+        f"{complete} of {len(owner)} requests finished with every token "
+        f"({result['output_tokens']:,} / {sum(lens):,}) in {elapsed:.2f} s{versus}"
     )
     return result
 
@@ -198,7 +214,15 @@ def main() -> int:
                 if "big" in runs:
                     results.append(timed_run(llm, f"big ({len(big[0])} requests)", *big))
                 if dp == 2 and "kill" in runs:
-                    results.append(kill_run(llm, *ref))
+                    reference_s = next(
+                        (
+                            r["elapsed_s"]
+                            for r in results
+                            if r["run"] == "reference" and r["dp"] == 2
+                        ),
+                        None,
+                    )
+                    results.append(kill_run(llm, *ref, reference_s))
             finally:
                 llm.shutdown()
     by = {(r["run"], r.get("dp")): r for r in results}
@@ -212,9 +236,7 @@ def main() -> int:
     missing = [r for r in results if r.get("short_requests")]
     kill = by.get(("kill", None))
     bad_kill = kill is not None and (
-        kill["failed_with_engine_core_dead"] + kill["finished_before_kill"]
-        != kill["requests_on_killed_core"]
-        or kill["survivor_requests_complete"] != kill["requests_on_survivor"]
+        kill["requests_complete"] != kill["requests"] or kill["seconds_to_kill"] is None
     )
     return 1 if missing or bad_kill else 0
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The figures of RESULTS.md's table on one H100, in one call, most important first:
 #   bash benchmarks/h100_figures.sh [tests] [fp8] [prefix] [bf16] [latency] [step] [step1] [kernels] [accuracy]
-# (no arguments: all of them, in that order; a step may be named twice). Each step's output
+# (no arguments: all of them, in that order; a step may be named twice). The quantized
+# weights' figures, named only: [quant-tests] [quant-latency] [quant-throughput]
+# [quant-kernels] [quant-accuracy] (Qwen3-8B's geometry; one or two per call). Each step's output
 # goes to $OUT/log.txt; a summary of the lines that carry figures is printed last. Steps
 # start only while less than $BUDGET_S seconds (default 540) have passed, so the call ends
 # inside a 600 s limit. $TESTS overrides the GPU test files.
@@ -58,11 +60,26 @@ for step in "${STEPS[@]}"; do
     step1) run step1 120 $S/step.py --num 1 --ctx 512 --steps 50 ;;
     kernels) run kernels 150 $S/kernels.py --only attention ;;
     accuracy) run accuracy 120 $S/kv_accuracy.py --calculate-kv-scales ;;
+    quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
+        -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
+        tests/worker/test_gpu_moe.py ;;
+    quant-latency)  # batch-1 TPOT: FP8 block-wise <= 0.6x bf16's, AWQ INT4 <= 0.45x
+        for q in bf16 fp8 awq; do
+            flags=()
+            [ "$q" != bf16 ] && flags=(--quantization "$q")
+            run "latency qwen3-8b $q" 200 $B latency --geometry qwen3-8b "${flags[@]}" \
+                --batch-size 1 --input-len 512 --output-len 128 --num-iters-warmup 2 --num-iters 5
+        done ;;
+    quant-throughput)  # the reference workload: FP8 block-wise >= 1.2x bf16's output tok/s
+        run "throughput qwen3-8b bf16" 300 $B throughput --geometry qwen3-8b
+        run "throughput qwen3-8b fp8" 300 $B throughput --geometry qwen3-8b --quantization fp8 ;;
+    quant-kernels) run quant-kernels 200 $S/kernels.py --only quant ;;  # + Qwen3-30B-A3B's FP8 experts
+    quant-accuracy) run quant-accuracy 200 $S/kv_accuracy.py --geometry qwen3-8b --quantization fp8 ;;
     esac
 done
 
 echo "======== summary ($((SECONDS - START)) s)"
 grep -E "^== |passed|failed|Error|Throughput:|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
 agreement|KV cache: [0-9]|captured|decode attention|cascade attention|prefill attention|\
-steps, |^decode <=|^prefill \(|decode step|graph replay" "$LOG" \
+steps, |^decode <=|^prefill \(|decode step|graph replay|quantized linear|fp8 moe" "$LOG" \
     | grep -v "^== .*: python\|^== .*: env\|^== .*: timeout" | cut -c1-200

@@ -6,7 +6,9 @@ Decode attention runs over a bf16 and an FP8 KV cache (the FP8 dots in float16, 
 engine runs them, and in bfloat16), with the bytes of KV each call must read over its time
 (TB/s: the H100's device copy runs at ~3.0); cascade attention against plain decode
 attention on the shared-prefix shape (256 sequences sharing 2,048 tokens); prefill
-attention; the sampler; the fused small ops; the fused MoE layer (moe_kernels.py).
+attention; the sampler; the fused small ops; the fused MoE layer (moe_kernels.py); the
+quantized linear layers (FP8 block-wise and per-channel, AWQ INT4) at Qwen3-8B's shapes
+against bf16 (quant_kernels.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 from moe_kernels import bench_moe
+from quant_kernels import bench_quant
 
 from minivllm.benchmarks import run_script
 
@@ -28,7 +31,7 @@ rows: list[tuple[str, str, float, str]] = []
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only",
-        choices=["attention", "sampler", "ops", "moe"],
+        choices=["attention", "sampler", "ops", "moe", "quant"],
         default=None,
         help="one group of kernels (default: all)",
     )
@@ -311,6 +314,7 @@ def main(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
         "sampler": (bench_sampler,),
         "ops": (bench_ops,),
         "moe": (lambda: bench_moe(rows, bench),),
+        "quant": (lambda: bench_quant(rows, bench),),
     }
     for name, fns in groups.items():
         if args.only in (None, name):

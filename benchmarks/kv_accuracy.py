@@ -1,4 +1,7 @@
-"""`python benchmarks/kv_accuracy.py`: what an FP8 KV cache costs in next-token accuracy.
+"""`python benchmarks/kv_accuracy.py`: what an FP8 KV cache costs in next-token accuracy -- or,
+with --quantization METHOD, what quantized weights cost: the same weights in the model's
+dtype and quantized (a 16-bit checkpoint quantized at load, or a geometry's dummy weights,
+which are the same random tensors either way), both with a KV cache of the model's dtype.
 
 Each prompt runs through the model once with a KV cache of the model's dtype and once with an
 FP8 cache. Attention reads every key and value back from the cache, the step's own included,
@@ -131,6 +134,24 @@ def compare(config: Any, prompts: list[list[int]], hf_model: Any = None) -> dict
     return results
 
 
+def compare_weights(
+    config: Any, quantized_config: Any, prompts: list[list[int]]
+) -> dict[str, Agreement]:
+    """Agreement of the quantized weights' logits with the model dtype's, one model loaded
+    at a time."""
+    logits = []
+    for cfg in (config, quantized_config):
+        run = PrefillLogits(cfg)
+        logits.append([run(tokens, run.dtype).float().cpu() for tokens in prompts])
+        del run
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    agreement = Agreement()
+    for ref, quant in zip(*logits, strict=True):
+        agreement.add(ref, quant)
+    return {f"{quantized_config.model.quantization} weights vs model dtype": agreement}
+
+
 def main(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     with model_dir(args) as (model, geometry):
@@ -141,6 +162,19 @@ def main(args: argparse.Namespace) -> dict:
             prompts = random_workload(*shape, 1, seed=args.seed, vocab_limit=max_token_id(model))
             prompts = prompts.prompts
         config = bench_engine_args(args, model, geometry).create_engine_config()
+        if args.quantization is not None:
+            if args.compare == "hf":
+                raise SystemExit(
+                    "--quantization compares against the model dtype, not --compare hf"
+                )
+            reference = bench_engine_args(args, model, geometry, quantization=None)
+            print(
+                f"Model: {geometry or model} ({config.model.dtype}); {len(prompts)} prompts, "
+                f"{sum(map(len, prompts))} positions; weights {config.model.quantization} "
+                f"against {config.model.dtype}"
+            )
+            results = compare_weights(reference.create_engine_config(), config, prompts)
+            return _report(results)
         hf_model = None
         if args.compare == "hf":
             from transformers import AutoModelForCausalLM
@@ -154,6 +188,10 @@ def main(args: argparse.Namespace) -> dict:
             f"{'first prompt' if config.cache.calculate_kv_scales else 'checkpoint or 1.0'}"
         )
         results = compare(config, prompts, hf_model)
+    return _report(results)
+
+
+def _report(results: dict[str, Agreement]) -> dict:
     figures = {}
     for what, agreement in results.items():
         print(agreement.line(what))

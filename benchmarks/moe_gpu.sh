@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Mixtures of experts on GPUs, in one call, most important first:
-#   bash benchmarks/moe_gpu.sh [tests] [kernels] [qwen3] [tp2] [ep2] [equality] [mixtral]
+#   bash benchmarks/moe_gpu.sh [tests] [kernels] [qwen3] [tp2] [ep2] [equality] [mixtral] [fp8]
 # (no arguments: tests kernels qwen3, then tp2 ep2 equality where there are 2 GPUs).
 # tests: the MoE GPU tests (kernels against the torch loop at real sizes, fp32 tokens against
 # transformers, CUDA graphs against eager); kernels: `kernels.py --only moe`; qwen3: the
 # reference workload on the Qwen3-30B-A3B geometry against its floor (one GPU); tp2 / ep2:
 # the same on 2 GPUs, experts sliced by TP or whole per rank; equality: greedy tokens equal
 # at TP 1 and 2, and under EP (fp32, the geometry's first 8 layers); mixtral: Mixtral-8x7B
-# (an H200, or 2 GPUs: MIXTRAL_TP=2). Output goes to $OUT/log.txt, a summary last; a step
+# (an H200, or 2 GPUs: MIXTRAL_TP=2); fp8 (named only): Qwen3-30B-A3B with its experts and
+# attention in FP8 blocks, against its floor. Output goes to $OUT/log.txt, a summary last; a step
 # starts only while less than $BUDGET_S seconds (default 540) have passed.
 set -u
 OUT=${OUT:-/tmp/minivllm-moe}
@@ -56,6 +57,8 @@ for step in "${STEPS[@]}"; do
             run "tp-equality $ep" 200 $S/tp_equality.py --geometry qwen3-30b-a3b --num-layers 8 \
                 --dtype float32 --tp-sizes 1 2 $ep
         done ;;
+    fp8) run fp8 300 $B throughput --geometry qwen3-30b-a3b --quantization fp8 \
+        --output-json "$OUT/qwen3-fp8.json" ;;
     mixtral) run mixtral 400 $B throughput --geometry mixtral-8x7b -tp "${MIXTRAL_TP:-1}" \
         --output-json "$OUT/mixtral.json" ;;
     esac

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -65,7 +66,10 @@ def main() -> None:
         _profiled("init_device", worker.init_device, args.out, phases)
         _profiled("load_model", worker.load_model, args.out, phases)
         blocks = _profiled("memory profile", worker.determine_num_blocks, args.out, phases)
-        _profiled("KV + graphs", lambda: worker.initialize_kv_cache(blocks), args.out, phases)
+        kv_cache = functools.partial(
+            worker.initialize_kv_cache, blocks
+        )  # `worker` is deleted below
+        _profiled("KV + graphs", kv_cache, args.out, phases)
         from minivllm.engine_core.scheduler import Scheduler
 
         _profiled(

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from minivllm import generation_defaults, rope_config
-from minivllm.gguf_file import gguf_hf_config, is_gguf_path
+from minivllm.devices import check_gpu_sharing, resolve_device
+from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
+from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
+from minivllm.speculative_config import (
+    SpeculativeConfig,
+    check_speculative_config,
+    resolve_speculative_config,
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other spellings
@@ -21,9 +27,55 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantization methods the model loader implements: add a name here and its
-# loading in worker/, and --quantization accepts it
-QUANTIZATION_METHODS: tuple[str, ...] = ("gguf",)  # a GGUF file's, dequantized at load
+# quantized linear layers (worker/layers/quantization/): a checkpoint declares one in
+# config.json's quantization_config; "fp8" also quantizes a 16-bit one at load
+LINEAR_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
+# every --quantization the loader implements: those, and a GGUF file's (dequantized at load)
+QUANTIZATION_METHODS: tuple[str, ...] = (*LINEAR_QUANTIZATION_METHODS, "gguf")
+_FP8_DYNAMIC_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+# the quantization_config each method's tool writes (Qwen3-*-FP8, llm-compressor's
+# FP8_DYNAMIC, AutoAWQ, AutoGPTQ): what load_format="dummy" with --quantization lays out
+CHECKPOINT_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "fp8": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    },
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**_FP8_DYNAMIC_SCHEME, "dynamic": False, "strategy": "channel"},
+                "input_activations": {**_FP8_DYNAMIC_SCHEME, "strategy": "token"},
+                "output_activations": None,
+            }
+        },
+    },
+    "awq": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    },
+    "gptq": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+        "static_groups": False,
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "checkpoint_format": "gptq",
+    },
+}
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
     "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
@@ -55,6 +107,10 @@ class ModelConfig:
     generation_config: str = "auto"
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # the linear layers' quantization method (one of LINEAR_QUANTIZATION_METHODS), from the
+    # checkpoint's quantization_config, else online fp8; None: the weights are in `dtype`
+    # (a GGUF file's too: dequantized at load)
+    quantization: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -81,6 +137,17 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None where it sees the whole context."""
+        return layer_sliding_windows(self.hf_config, self.num_layers, self.max_model_len)
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """Set when every layer attends over a window: the KV blocks behind the largest are
+        read by no layer and go back to the pool (engine_core/kv_cache_manager.py)."""
+        return kv_sliding_window(self.sliding_windows)
 
     @property
     def num_experts(self) -> int:
@@ -147,6 +214,13 @@ class ParallelConfig:
     data_parallel_rank: int = 0  # which of them this config starts
     # CUDA_VISIBLE_DEVICES of this engine-core's workers (a data-parallel slice); None: inherit
     visible_devices: str | None = None
+    # failover (frontend/dp_failover.py): a request whose engine-core dies goes on on another
+    # one, unless this many engine-cores have died holding it (1: it fails with the first)
+    data_parallel_failover_limit: int = 2
+    # restart a dead engine-core (frontend/dp_restart.py), waiting this back-off (doubling)
+    # before each restart of one that died again soon after the last
+    data_parallel_restart: bool = False
+    data_parallel_restart_backoff_s: float = 5.0
     # seconds a step's results may take before the engine is declared dead (None: no limit);
     # the first step, which compiles and captures, has none
     execute_timeout: float | None = None
@@ -173,45 +247,44 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
-def read_hf_config(model: str) -> dict[str, Any]:
-    """The HF config of `model`: its directory's config.json, or a GGUF file's metadata."""
-    if is_gguf_path(model):
-        return gguf_hf_config(model)
-    config_path = os.path.join(model, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"model: no config.json in {model!r}")
-    return _read_json(config_path)
-
-
-def _resolve_load_format(model: str, load_format: str, quantization: str | None) -> str:
-    """A GGUF file loads as "gguf" under "auto" (as in vLLM; "dummy" still means random
-    weights of its geometry); "gguf", as load_format or quantization, needs one."""
-    gguf = is_gguf_path(model)
-    for name, value in (("load_format", load_format), ("quantization", quantization)):
-        if value == "gguf" and not gguf:
-            raise ValueError(f"{name}='gguf' needs model to be a GGUF file, got {model!r}")
-    if gguf and quantization not in (None, "gguf"):
-        raise ValueError(f"quantization={quantization!r}: a GGUF file's quantization is 'gguf'")
-    return "gguf" if gguf and load_format == "auto" else load_format
-
-
-def _eos_ids(model_dir: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    eos: Any = None
-    if os.path.isfile(gen_path):
-        eos = _read_json(gen_path).get("eos_token_id")
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+def resolve_quantization(
+    requested: str | None, hf_config: dict[str, Any], load_format: str
+) -> str | None:
+    """The quantization method the linear layers load with: the one config.json declares
+    (which `requested` must match), else `requested` -- online for "fp8"; with dummy weights
+    any method, laid out as its tool writes it (hf_config gets that quantization_config).
+    None for a GGUF file, whose weights are dequantized at load."""
+    if requested == "gguf" or load_format == "gguf":
+        return None
+    declared = hf_config.get("quantization_config")
+    supported = ", ".join(LINEAR_QUANTIZATION_METHODS)
+    if declared is not None:
+        method = str(declared.get("quant_method", "")).lower().replace("_", "-")
+        if method not in LINEAR_QUANTIZATION_METHODS:
+            raise ValueError(
+                f"the checkpoint's quantization_config.quant_method {method!r} is not "
+                f"supported (supported: {supported})"
+            )
+        if requested not in (None, method):
+            raise ValueError(
+                f"quantization={requested!r} does not match the checkpoint's quantization "
+                f"method {method!r} (config.json's quantization_config)"
+            )
+        return method
+    if requested is None:
+        return None
+    if load_format == "dummy":
+        hf_config["quantization_config"] = copy.deepcopy(CHECKPOINT_QUANTIZATION_CONFIGS[requested])
+        return requested
+    if requested != "fp8":
+        raise ValueError(
+            f"quantization={requested!r} loads checkpoints quantized with it, and config.json "
+            "has no quantization_config; only 'fp8' quantizes a 16-bit checkpoint at load"
+        )
+    return requested
 
 
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
@@ -221,37 +294,7 @@ def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config
     return cls(**{name: getattr(args, name) for name in names}, **resolved)
 
 
-def resolve_device(device: str) -> str:
-    """'cpu', or a CUDA device: 'auto' picks CUDA when there is one; 'cuda' without one raises."""
-    if device == "cpu":
-        return device
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return device
-
-
-def _check_gpu_sharing(tp: int, dp: int, gpu_memory_utilization: float) -> None:
-    """Engine-cores beyond one per GPU share GPUs: each then takes its own fraction of a
-    device's memory, and those fractions must fit in one."""
-    import torch
-
-    count = torch.cuda.device_count()
-    if tp > count:
-        raise ValueError(f"tensor_parallel_size ({tp}) is larger than the {count} visible GPU(s)")
-    per_gpu = -(-tp * dp // count)
-    if per_gpu > 1 and gpu_memory_utilization * per_gpu > 1.0 + 1e-9:
-        raise ValueError(
-            f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) puts {per_gpu} engine-cores "
-            f"on each of the {count} GPU(s): gpu_memory_utilization is each one's share of a "
-            f"GPU and must be <= {1 / per_gpu:.3f}, got {gpu_memory_utilization}"
-        )
-
-
-def _check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
+def check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
     """A mixture of experts splits over the ranks by whole experts (expert parallelism) or
     by each expert's intermediate dimension: either must divide evenly."""
     if not model.num_experts or tp == 1:
@@ -292,6 +335,9 @@ class EngineArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_failover_limit: int = 2  # engine-cores that may die under one request
+    data_parallel_restart: bool = False  # restart dead engine-cores (off, as in vLLM)
+    data_parallel_restart_backoff_s: float = 5.0
     enable_expert_parallel: bool = False
     load_format: str = "auto"
     device: str = "auto"
@@ -308,6 +354,9 @@ class EngineArgs:
     quantization: str | None = None  # one of QUANTIZATION_METHODS
     generation_config: str = "auto"  # "auto", "vllm" or a directory (generation_defaults.py)
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}: see
+    # speculative_config.py
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -319,7 +368,13 @@ class EngineArgs:
         self._check_vllm_spellings()
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "block_size",
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "data_parallel_failover_limit",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -337,12 +392,24 @@ class EngineArgs:
                 f"execute_timeout must be a number of seconds >= 0 (0: no limit), "
                 f"got {self.execute_timeout!r}"
             )
+        backoff = self.data_parallel_restart_backoff_s
+        if not isinstance(backoff, (int, float)) or not backoff >= 0:
+            raise ValueError(
+                f"data_parallel_restart_backoff_s must be a number of seconds >= 0, got {backoff!r}"
+            )
+        if self.data_parallel_restart and self.data_parallel_size == 1:
+            raise ValueError(
+                "data_parallel_restart restarts a dead engine-core of several: it needs "
+                "data_parallel_size > 1"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.speculative_config is not None:
+            check_speculative_config(self.speculative_config)
         if self.data_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(
                 "data_parallel_size > 1 runs one engine-core process per rank: "
@@ -357,10 +424,9 @@ class EngineArgs:
                 "no revisions; check out the revision into a directory and pass that as model"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            supported = ", ".join(QUANTIZATION_METHODS) or "none yet"
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported (supported: {supported}); "
-                "weights load in the checkpoint's dtype or --dtype"
+                f"quantization={self.quantization!r} is not supported (supported: "
+                f"{', '.join(QUANTIZATION_METHODS)})"
             )
         generation_defaults.check_source(self.generation_config)
         if not isinstance(self.override_generation_config, dict):
@@ -384,9 +450,12 @@ class EngineArgs:
         generation_defaults.log_defaults(self.generation_config, defaults)
         return defaults
 
-    def create_engine_config(self) -> EngineConfig:
-        """Read the model directory and resolve every default into frozen configs."""
-        hf_config = {**read_hf_config(self.model), **self.hf_overrides}
+    def read_hf_config(self) -> dict[str, Any]:
+        """The model's config.json (or GGUF metadata) with `hf_overrides` over it."""
+        return {**read_hf_config(self.model), **self.hf_overrides}
+
+    def model_config(self, hf_config: dict[str, Any]) -> ModelConfig:
+        """The model's config: dtype, context length and the rest resolved from `hf_config`."""
         device = resolve_device(self.device)
         dtype = self.dtype
         if dtype == "auto":
@@ -394,7 +463,6 @@ class EngineArgs:
             dtype = "float32" if device == "cpu" else torch_dtype
             if dtype not in _DTYPES[1:]:
                 dtype = "bfloat16"
-
         derived_max = rope_config.max_len_with_scaling(hf_config)  # checks the rope type
         max_model_len = self.max_model_len or derived_max
         if max_model_len > derived_max:
@@ -404,6 +472,32 @@ class EngineArgs:
                 + ("context with its rope scaling" if scaled else "max_position_embeddings")
                 + f" ({derived_max})"
             )
+        load_format = resolve_load_format(self.model, self.load_format, self.quantization)
+        model_cfg = _from_args(
+            ModelConfig,
+            self,
+            tokenizer=self.tokenizer or self.model,
+            load_format=load_format,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            hf_config=hf_config,
+            eos_token_ids=eos_ids(self.model, hf_config),
+            default_sampling_params=self._default_sampling_params(hf_config),
+            quantization=resolve_quantization(self.quantization, hf_config, load_format),
+        )
+        # a layout no layer can serve fails here, not in a worker
+        _ = model_cfg.sliding_windows
+        rope_config.rotary_dim(
+            model_cfg.head_dim,
+            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
+        )
+        return model_cfg
+
+    def create_engine_config(self) -> EngineConfig:
+        """Read the model directory and resolve every default into frozen configs."""
+        model_cfg = self.model_config(self.read_hf_config())
+        device = resolve_device(self.device)
+        max_model_len = model_cfg.max_model_len
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
@@ -412,21 +506,6 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
                 f"({max_model_len}) when enable_chunked_prefill is False"
             )
-        model_cfg = _from_args(
-            ModelConfig,
-            self,
-            tokenizer=self.tokenizer or self.model,
-            load_format=_resolve_load_format(self.model, self.load_format, self.quantization),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            hf_config=hf_config,
-            eos_token_ids=_eos_ids(self.model, hf_config),
-            default_sampling_params=self._default_sampling_params(hf_config),
-        )
-        rope_config.rotary_dim(
-            model_cfg.head_dim,
-            rope_config.rope_parameters(hf_config, rope_config.GLOBAL_LAYER_TYPE),
-        )
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(
@@ -439,9 +518,9 @@ class EngineArgs:
                 f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
                 "one another"
             )
-        _check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
+        check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
         if device == "cuda" and self.distributed_executor_backend != "ray":
-            _check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
+            check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
             kv_bytes = _CPU_KV_CACHE_BYTES
@@ -453,12 +532,17 @@ class EngineArgs:
                 self,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
-                long_rope_threshold=rope_config.long_rope_threshold(hf_config, max_model_len),
+                long_rope_threshold=rope_config.long_rope_threshold(
+                    model_cfg.hf_config, max_model_len
+                ),
             ),
             parallel=_from_args(
                 ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None
             ),
             device=_from_args(DeviceConfig, self, device=device),
+            speculative=None
+            if self.speculative_config is None
+            else resolve_speculative_config(self.speculative_config, self, model_cfg),
         )
 
     @classmethod

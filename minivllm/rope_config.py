@@ -35,6 +35,23 @@ def _per_layer_type(rope: dict[str, Any]) -> bool:
     return bool(rope) and all(isinstance(v, dict) or v is None for v in rope.values())
 
 
+def _settings_per_layer_type(hf_config: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The rope settings of each layer type, or None where every layer shares one: transformers
+    5's nested rope_parameters, or Gemma 3's older layout, read as transformers 5 reads it
+    (rope_theta and rope_scaling are the full-attention layers', rope_local_base_freq the
+    sliding layers' base, with no scaling)."""
+    saved = hf_config.get("rope_parameters") or {}
+    if _per_layer_type(saved):
+        return {name: dict(v or {}) for name, v in saved.items()}
+    if "rope_local_base_freq" not in hf_config:
+        return None
+    local = float(hf_config["rope_local_base_freq"])
+    return {
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        GLOBAL_LAYER_TYPE: dict(saved),  # rope_theta and rope_scaling are read over it
+    }
+
+
 def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
     """The rope settings of config.json in one dict, completed as transformers completes
     them: `rope_type`, `rope_theta`, `partial_rotary_factor`, the type's own keys, and for
@@ -46,15 +63,24 @@ def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) ->
     `rope_scaling`, which wins where both are given, as in transformers (an override of
     rope_scaling, vLLM's way to turn YaRN on, over a config that transformers 5 saved). A type
     not supported, or a key its type needs that is missing, is a ValueError naming them.
-    Nested by layer type, the settings of `layer_type` (ValueError without one)."""
+    Given per layer type, the settings of `layer_type` (ValueError without one), as
+    transformers 5 reads them: its own rope_theta first, and top-level rope_theta and
+    rope_scaling only for the full-attention layers."""
     saved = hf_config.get("rope_parameters") or {}
-    if _per_layer_type(saved):
+    per_type = _settings_per_layer_type(hf_config)
+    if per_type is not None:
         if layer_type is None:
             raise ValueError(
-                f"rope_parameters are given per layer type ({', '.join(saved)}): "
+                f"rope settings are given per layer type ({', '.join(per_type)}): "
                 "the rotary embedding must name its layers' type"
             )
-        saved = saved.get(layer_type) or {}
+        saved = per_type.get(layer_type) or {}
+        # the top-level rope_theta and rope_scaling are the full-attention layers', whose
+        # own nested rope_theta wins
+        shadowed = {"rope_theta"} if saved.get("rope_theta") is not None else set()
+        if layer_type != GLOBAL_LAYER_TYPE:
+            shadowed |= {"rope_theta", "rope_scaling"}
+        hf_config = {k: v for k, v in hf_config.items() if k not in shadowed}
     params = dict(hf_config.get("rope_scaling") or saved)
     legacy_type = params.pop("type", None)  # the older spelling of rope_type
     rope_type = params.get("rope_type") or legacy_type or "default"
@@ -110,7 +136,7 @@ def max_len_with_scaling(hf_config: dict[str, Any]) -> int:
     rotated once) cannot follow, and up to it the frequencies are the default ones. A config
     with rope settings per layer type (Gemma 3) states its scaled length as
     max_position_embeddings too (vLLM does not scale it again)."""
-    if _per_layer_type(hf_config.get("rope_parameters") or {}):
+    if _settings_per_layer_type(hf_config) is not None:
         rope_parameters(hf_config, GLOBAL_LAYER_TYPE)  # still refuses a kind not supported
         return max_position_embeddings(hf_config)
     params = rope_parameters(hf_config)

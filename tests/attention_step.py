@@ -18,10 +18,12 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     kv_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Store k/v into kv_cache at meta.slot_mapping, then attend: `PagedAttention` of the
-    only layer (with an FP8 cache's `kv_scale`), in a forward batch of its cache."""
-    layer = PagedAttention(0, backend, scale).to(q.device)
+    only layer (with an FP8 cache's `kv_scale`, a sliding window), in a forward batch of its
+    cache."""
+    layer = PagedAttention(0, backend, scale, sliding_window).to(q.device)
     if kv_scale is not None:
         layer.kv_scale.copy_(kv_scale)
     with forward_batch(meta, [kv_cache]):

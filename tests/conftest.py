@@ -5,7 +5,12 @@ import os
 import pytest
 
 from minivllm.benchmarks.null_checkpoint import null_model_env
-from tests.tiny_models import LONGROPE_ORIGINAL_LEN, build_checkpoint, longrope_scaling
+from tests.tiny_models import (
+    LONGROPE_ORIGINAL_LEN,
+    build_checkpoint,
+    build_window_checkpoints,
+    longrope_scaling,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -96,6 +101,14 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             max_shard_size="200KB",
         ),  # fmt: skip
     }
+
+
+@pytest.fixture(scope="session")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Paths of tiny checkpoints with 8-token sliding windows: gemma3, gemma3-pattern (the
+    older config layout), mistral-window, mixtral-window, phi3-window, qwen2-window (see
+    tests/tiny_models.py)."""
+    return build_window_checkpoints(str(tmp_path_factory.mktemp("window_models")))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import random
 
 import torch
@@ -32,7 +34,15 @@ def longrope_prompts(original_len: int, seed: int = 0) -> list[list[int]]:
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kwargs = {}
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    if quant.get("quant_method") == "compressed-tensors":  # decompressed to the dtype on load
+        from transformers import CompressedTensorsConfig
+
+        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    # FP8 checkpoints (quant_method fp8) load dequantized on a CPU by themselves
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -56,6 +56,7 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
@@ -109,25 +110,22 @@ def build_checkpoint(
         bos_token_id=None,
         pad_token_id=0,
     )
-    if arch in (
-        "qwen3",
-        "llama",
-        "mistral",
-        "qwen3_moe",
-        "mixtral",
-    ):  # Phi-3: hidden_size / num_heads
-        kwargs["head_dim"] = head_dim
+    if arch in ("qwen3", "llama", "mistral", "gemma3", "qwen3_moe", "mixtral"):
+        kwargs["head_dim"] = head_dim  # Phi-3: hidden_size / num_heads
     if arch in ("mistral", "mixtral"):
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = extra_config.pop("sliding_window", None)
     config = config_cls(**kwargs, **{**_MOE_DEFAULTS.get(arch, {}), **extra_config})
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
         # larger-than-default weights so greedy decoding is not a constant token
+        # (and Gemma's norms, whose weight starts at its offset 0: so that the offset counts)
         for p in model.parameters():
-            if p.dim() > 1:
+            if p.dim() > 1 or arch == "gemma3":
                 p.normal_(0.0, 0.2)
+        if arch == "gemma3":  # scaled by sqrt(hidden): as large as the other models' after it
+            model.model.embed_tokens.weight.normal_(0.0, 0.2 / hidden_size**0.5)
     os.makedirs(out_dir, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
@@ -150,6 +148,135 @@ def longrope_scaling(rotary_dim: int, seed: int) -> dict[str, object]:
         "short_factor": (1 + 0.5 * torch.rand(n, generator=gen)).tolist(),
         "long_factor": (1 + 7 * torch.rand(n, generator=gen)).tolist(),
     }
+
+
+def build_window_checkpoints(root: str) -> dict[str, str]:
+    """Tiny checkpoints with sliding windows of 8 tokens, shorter than most test prompts:
+    gemma3 (sliding, global, sliding layers; its own attention scale, local RoPE base,
+    linear RoPE scaling on the global layer, logit soft-capping), gemma3-pattern (the same
+    model family in the older config layout: `sliding_window_pattern`, `rope_theta` +
+    `rope_local_base_freq`, tied embeddings left to the default), mistral-window (every
+    layer windowed, so the engine frees the blocks behind the window), mixtral-window (the
+    same, with routed experts), phi3-window (the same, with Phi-3's fused checkpoint and
+    partial rotary) and qwen2-window (`use_sliding_window` from `max_window_layers` on)."""
+    gemma = dict(
+        num_layers=3,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        final_logit_softcapping=5.0,
+    )
+    paths = {
+        "gemma3": build_checkpoint(
+            os.path.join(root, "gemma3"),
+            "gemma3",
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            seed=4,
+            **gemma,
+        ),
+        "gemma3-pattern": build_checkpoint(
+            os.path.join(root, "gemma3-pattern"), "gemma3", seed=5, **{**gemma, "num_layers": 4}
+        ),
+        "mistral-window": build_checkpoint(
+            os.path.join(root, "mistral-window"), "mistral", seed=6, sliding_window=8
+        ),
+        "mixtral-window": build_checkpoint(
+            os.path.join(root, "mixtral-window"), "mixtral", seed=9, sliding_window=8
+        ),
+        "phi3-window": build_checkpoint(
+            os.path.join(root, "phi3-window"),
+            "phi3",
+            seed=8,
+            hidden_size=96,
+            partial_rotary_factor=0.75,
+            sliding_window=8,
+        ),  # fmt: skip
+        "qwen2-window": build_checkpoint(  # layer 0 global, layer 1 windowed
+            os.path.join(root, "qwen2-window"),
+            "qwen2",
+            seed=7,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        ),  # fmt: skip
+    }
+    # as Gemma 3 checkpoints on the Hub write it: global layer every 2nd (layers 1 and 3)
+    _rewrite_config(
+        paths["gemma3-pattern"],
+        drop=("layer_types", "_sliding_window_pattern", "rope_parameters", "tie_word_embeddings"),
+        sliding_window_pattern=2,
+        rope_theta=10000.0,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    return paths
+
+
+def build_gemma3_multimodal(out_dir: str, hub_layout: bool = False, seed: int = 7) -> str:
+    """A tiny Gemma3ForConditionalGeneration (a one-layer vision tower beside a Gemma 3 text
+    model with an 8-token window). `hub_layout`: the text model's weights named
+    `model.language_model.*` and its config written as the Hub's Gemma 3 checkpoints write
+    it, only the settings that differ from transformers' defaults."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=8, sliding_window_pattern=3, rms_norm_eps=1e-6, eos_token_id=0,
+        pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
+        boi_token_index=381, eoi_token_index=382, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+        model.get_input_embeddings().weight.normal_(0.0, 0.2 / 64**0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [0]}, f)
+    if hub_layout:
+        path = os.path.join(out_dir, "model.safetensors")
+        weights = load_file(path)
+        prefix = "language_model.model."
+        renamed = {
+            "model.language_model." + k[len(prefix) :] if k.startswith(prefix) else k: v
+            for k, v in weights.items()
+        }
+        save_file(renamed, path, metadata={"format": "pt"})
+        defaults = transformers.Gemma3TextConfig().to_dict()
+        with open(os.path.join(out_dir, "config.json")) as f:
+            saved = json.load(f)
+        saved["text_config"] = {
+            k: v
+            for k, v in saved["text_config"].items()
+            if k == "model_type" or k not in defaults or defaults[k] != v
+        }
+        saved["text_config"].pop("layer_types")  # the pattern instead, as 2025's configs
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(saved, f, indent=2)
+    return out_dir
+
+
+def _rewrite_config(path: str, drop: tuple[str, ...] = (), **values: object) -> None:
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config = {k: v for k, v in config.items() if k not in drop}
+    with open(config_path, "w") as f:
+        json.dump({**config, **values}, f, indent=2)
 
 
 def build_null_checkpoint(out_dir: str, **extra_config: object) -> str:

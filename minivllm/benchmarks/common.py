@@ -16,9 +16,10 @@ from minivllm.benchmarks.geometry import (
     GEOMETRIES,
     write_geometry,
 )
-from minivllm.config import EngineArgs, read_hf_config, resolve_device
+from minivllm.config import EngineArgs, resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.llm import LLM
+from minivllm.model_files import read_hf_config
 from minivllm.process_utils import freeze_startup_heap
 
 
@@ -101,3 +102,30 @@ def max_token_id(model: str) -> int:
 
 def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+def spec_decode_figures(llm: LLM) -> dict[str, Any]:
+    """With speculative decoding, the engine's counters since it started (warm-up runs
+    included), printed as vLLM's stats line words them; else {}."""
+    if llm.llm_engine.config.speculative is None:
+        return {}
+    stats = llm.llm_engine.get_stats()
+    drafts, drafted = stats["spec_num_drafts"], stats["spec_num_draft_tokens"]
+    accepted = stats["spec_num_accepted_tokens"]
+    per_pos = stats["spec_num_accepted_tokens_per_pos"]
+    rate = 100 * accepted / drafted if drafted else float("nan")
+    mean_len = 1 + accepted / drafts if drafts else float("nan")
+    rates = ", ".join(f"{n / drafts:.3f}" for n in per_pos) if drafts else "-"
+    print(
+        f"SpecDecoding: Mean acceptance length: {mean_len:.2f}, Accepted: {accepted} tokens, "
+        f"Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+        f"Avg Draft acceptance rate: {rate:.1f}% (over {drafts} drafts)"
+    )
+    return {
+        "spec_num_drafts": drafts,
+        "spec_num_draft_tokens": drafted,
+        "spec_num_accepted_tokens": accepted,
+        "spec_num_accepted_tokens_per_pos": per_pos,
+        "spec_acceptance_rate": rate,
+        "spec_mean_acceptance_length": mean_len,
+    }

@@ -12,7 +12,7 @@ import torch
 
 @dataclass(frozen=True)
 class Floor:
-    kv_bytes: int  # every output token re-reads its whole KV context
+    kv_bytes: int  # every output token re-reads its KV context (in each layer's window)
     weight_bytes: int  # every decode step re-reads all weights once (of a MoE: those it routes to)
     expert_bytes: int = 0  # the routed experts' share of weight_bytes
 
@@ -53,6 +53,7 @@ def memory_floor(
     param_bytes: int,
     kv_dtype_bytes: int = 2,
     experts: ExpertTraffic | None = None,
+    sliding_windows: Sequence[int | None] | None = None,
 ) -> Floor:
     """Bytes a decode of this workload must read, with all requests running concurrently.
 
@@ -60,12 +61,16 @@ def memory_floor(
     cached tokens; summed over j < O that is O*P + O*(O-1)/2. All requests decode together,
     so there are max(output_lens) steps, each reading every weight once -- but of a mixture
     of experts (`experts`, part of param_bytes) only the experts that step's tokens (the
-    requests still decoding) are routed to.
+    requests still decoding) are routed to. A layer with a sliding window W (one entry of
+    `sliding_windows` per layer, None: the whole context) reads at most the W - 1 cached
+    tokens before each query.
     """
-    kv_per_token = num_layers * num_kv_heads * head_dim * 2 * kv_dtype_bytes  # K and V
-    context_tokens = sum(
-        o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True)
-    )
+    windows = sliding_windows if sliding_windows is not None else (None,) * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"sliding_windows has {len(windows)} entries for {num_layers} layers")
+    kv_per_token = num_kv_heads * head_dim * 2 * kv_dtype_bytes  # K and V of one layer
+    lens = list(zip(prompt_lens, output_lens, strict=True))
+    context_tokens = sum(_context_tokens(lens, w) for w in windows)
     steps = max(output_lens, default=0)
     if experts is None:
         return Floor(kv_bytes=context_tokens * kv_per_token, weight_bytes=steps * param_bytes)
@@ -73,6 +78,19 @@ def memory_floor(
     expert_bytes = sum(experts.step_bytes(sum(1 for o in running if o > j)) for j in range(steps))
     weight_bytes = steps * (param_bytes - experts.total_bytes) + expert_bytes
     return Floor(context_tokens * kv_per_token, round(weight_bytes), round(expert_bytes))
+
+
+def _context_tokens(lens: list[tuple[int, int]], window: int | None) -> int:
+    """Cached tokens the output tokens of requests of (prompt, output) lengths read in one
+    layer: P + j for the j-th of a P-token prompt, at most window - 1 of them."""
+    total = 0
+    for p, o in lens:
+        if window is None:
+            total += o * p + o * (o - 1) // 2
+            continue
+        n = max(0, min(o, window - p))  # outputs whose P + j cached tokens all lie in the window
+        total += n * p + n * (n - 1) // 2 + (o - n) * (window - 1)
+    return total
 
 
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, iters: int = 10) -> float:

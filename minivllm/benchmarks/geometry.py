@@ -101,6 +101,35 @@ GEOMETRIES["mixtral-8x7b"] = {
     "eos_token_id": 2,
 }
 
+# Gemma 3 1B (google/gemma-3-1b-it's config.json): 5 of 6 layers attend over 512 tokens
+GEOMETRIES["gemma3-1b"] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "num_hidden_layers": 26,
+    "hidden_size": 1152,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "intermediate_size": 6912,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+}
+
 DEFAULT_GPU_GEOMETRY = "qwen3-0.6b"
 DEFAULT_CPU_GEOMETRY = "qwen3-cpu-tiny"
 
@@ -116,8 +145,8 @@ def write_geometry(name: str, out_dir: str) -> str:
 
 
 def num_parameters(cfg: dict[str, Any]) -> int:
-    """Parameters of a Llama-family decoder (Qwen3 q/k norms included, biases ignored), the
-    experts and routers of its sparse layers included."""
+    """Parameters of a Llama-family decoder (q/k norms and Gemma 3's four norms per layer
+    included, biases ignored), the experts and routers of its sparse layers included."""
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     # a sparse layer holds E experts and a router in place of the dense MLP
     per_sparse_layer = num_experts(cfg) * (expert_parameters(cfg) + hidden) - 3 * hidden * inter
@@ -152,13 +181,50 @@ def _dense_parameters(cfg: dict[str, Any]) -> int:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     inter = int(cfg["intermediate_size"])
     vocab = int(cfg["vocab_size"])
-    qk_norm = 2 * head_dim if cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0
+    gemma = cfg["architectures"][0].startswith("Gemma3")
+    qk_norm = 2 * head_dim if gemma or cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0
     per_layer = (
         hidden * (heads + 2 * kv_heads) * head_dim  # q, k, v
         + heads * head_dim * hidden  # o
         + 3 * hidden * inter  # gate, up, down
-        + 2 * hidden  # the two RMSNorms
+        + (4 if gemma else 2) * hidden  # the RMSNorms (Gemma's after attention and MLP too)
         + qk_norm
     )
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
     return vocab * hidden + int(cfg["num_hidden_layers"]) * per_layer + hidden + lm_head
+
+
+# bytes per weight of the decoder layers' linear layers and experts, scales included: FP8
+# with a float32 scale per 128x128 block (per row: about the same), INT4 with a float16 scale
+# and an 8-bit zero per group of 128 (the kernels' layout)
+_QUANTIZED_WEIGHT_BYTES = {
+    "fp8": 1 + 4 / 128**2,
+    "compressed-tensors": 1.0,
+    "awq": 0.5 + 3 / 128,
+    "gptq": 0.5 + 3 / 128,
+}
+
+
+def bytes_per_weight(dtype_bytes: int, quantization: str | None) -> float:
+    """Bytes of one weight of a linear layer (or an expert) in this format."""
+    return dtype_bytes if quantization is None else _QUANTIZED_WEIGHT_BYTES[quantization]
+
+
+def weight_bytes(cfg: dict[str, Any], dtype_bytes: int, quantization: str | None) -> int:
+    """The bytes of a decoder's weights: its linear layers' and experts' in their quantized
+    format, the rest (embeddings, LM head, norms, routers) in the model's dtype."""
+    total = num_parameters(cfg)
+    if quantization is None:
+        return total * dtype_bytes
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    layers, sparse = int(cfg["num_hidden_layers"]), sparse_layers(cfg)
+    linear = (
+        layers * hidden * (2 * heads + 2 * kv_heads) * head_dim
+        + (layers - sparse) * 3 * hidden * inter
+        + sparse * num_experts(cfg) * expert_parameters(cfg)
+    )
+    per_weight = bytes_per_weight(dtype_bytes, quantization)
+    return int((total - linear) * dtype_bytes + linear * per_weight)

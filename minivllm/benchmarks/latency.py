@@ -18,6 +18,7 @@ from minivllm.benchmarks.common import (
     add_bench_args,
     max_token_id,
     model_dir,
+    spec_decode_figures,
     start_llm,
     token_prompts,
 )
@@ -68,6 +69,7 @@ def main(args: argparse.Namespace) -> dict:
                 for _ in range(args.num_iters)
             ]
             ttfts = [_timed_batch(llm, args, next(seeds), 1, max_id) for _ in range(args.num_iters)]
+            spec = spec_decode_figures(llm)
         finally:
             llm.shutdown()
     avg = float(np.mean(latencies))
@@ -86,5 +88,6 @@ def main(args: argparse.Namespace) -> dict:
         "ttft_s": ttft,
         "tpot_s": tpot,
         "device": config.device.device,
+        **spec,
     }
     return figures

@@ -17,8 +17,10 @@ one under a JSON schema of eight fields (it needs a tokenizer: --tokenizer DIR w
 geometry; benchmarks/qwen3_tokenizer.py builds Qwen3's).
 
 On CUDA it also prints the memory-traffic floor twice, for a 16-bit and an FP8 KV cache:
-every output token re-reads its context's KV, every decode step the weights, at the device
-copy bandwidth measured right after the run.
+every output token re-reads its context's KV, every decode step the weights (in their
+quantized format under --quantization: with a geometry, e.g. `--geometry qwen3-8b
+--quantization fp8`, dummy weights laid out as that method's checkpoints hold them), at
+the device copy bandwidth measured right after the run.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ from minivllm.benchmarks.common import (
     add_bench_args,
     max_token_id,
     model_dir,
+    spec_decode_figures,
     start_llm,
     token_prompts,
 )
 from minivllm.benchmarks.floor import ExpertTraffic, measure_copy_bandwidth, memory_floor
 from minivllm.benchmarks.geometry import (
+    bytes_per_weight,
     expert_parameters,
-    num_parameters,
     sparse_layers,
+    weight_bytes,
 )
 from minivllm.benchmarks.workloads import (
     REFERENCE_TEMPERATURE,
@@ -211,10 +215,10 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
     if config.cache.kv_cache_dtype != "auto":
         kv_kinds.reverse()
     figures: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bandwidth}
-    experts = None
+    experts, per_weight = None, bytes_per_weight(dtype_bytes, model.quantization)
     if model.num_experts:
         experts = ExpertTraffic(
-            expert_parameters(model.hf_config) * dtype_bytes,
+            round(expert_parameters(model.hf_config) * per_weight),
             model.num_experts,
             model.num_experts_per_tok,
             sparse_layers(model.hf_config),
@@ -226,9 +230,10 @@ def floor_report(config: EngineConfig, workload: Workload, r: RunResult) -> dict
             num_layers=model.num_layers,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
-            param_bytes=num_parameters(model.hf_config) * dtype_bytes,
+            param_bytes=weight_bytes(model.hf_config, dtype_bytes, model.quantization),
             kv_dtype_bytes=elem,
             experts=experts,
+            sliding_windows=model.sliding_windows,
         )
         floor_s = floor.seconds(bandwidth)
         pct = 100 * floor_s / r.elapsed_s
@@ -323,7 +328,8 @@ def main(args: argparse.Namespace) -> dict:
         print(
             f"Model: {what}; {config.model.num_layers} layers, hidden "
             f"{config.model.hf_config['hidden_size']}, vocab {config.model.vocab_size}; "
-            f"device {config.device.device}, dtype {config.model.dtype}"
+            f"device {config.device.device}, dtype {config.model.dtype}, weights "
+            f"{config.model.quantization or config.model.dtype}"
         )
         results: dict[str, RunResult] = {}
         try:
@@ -334,6 +340,7 @@ def main(args: argparse.Namespace) -> dict:
                 if "structured_outputs" in extra:
                     eos = llm.llm_engine.input_processor.eos_token_ids
                     figures["structured_outputs"] = structured.summarize(run.outputs, eos)
+            figures.update(spec_decode_figures(llm))
         finally:
             llm.shutdown()
         base_name, result = next(iter(results.items()))
@@ -350,6 +357,7 @@ def main(args: argparse.Namespace) -> dict:
             model=model if geometry is None else geometry,
             device=config.device.device,
             dtype=config.model.dtype,
+            quantization=config.model.quantization,
             **result.figures(),
             output_digest=result.digest,
         )

@@ -24,6 +24,9 @@ def check_request(request: EngineCoreRequest, model: ModelConfig) -> None:
         ("allowed_token_ids", params.allowed_token_ids or ()),
         ("bad_words", [t for ids in params.bad_words_token_ids or () for t in ids]),
     ]
+    if request.output_token_ids:
+        groups.append(("output_token_ids", request.output_token_ids))
+        _check_continuation(request, model)
     for name, ids in groups:
         ids = list(ids)
         if ids and not (min(ids) >= 0 and max(ids) < vocab):
@@ -33,3 +36,20 @@ def check_request(request: EngineCoreRequest, model: ModelConfig) -> None:
         num = getattr(params, name)
         if num is not None and (vocab if num == -1 else num) > max_logprobs:
             raise ValueError(f"{name}: at most {max_logprobs}, got {num}")
+
+
+def _check_continuation(request: EngineCoreRequest, model: ModelConfig) -> None:
+    """A continuation must have a token left to generate."""
+    num_outputs = len(request.output_token_ids)
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None and num_outputs >= max_tokens:
+        raise ValueError(
+            f"output_token_ids: {num_outputs} tokens already, max_tokens is {max_tokens}: "
+            "nothing is left to generate"
+        )
+    total = len(request.prompt_token_ids) + num_outputs
+    if total >= model.max_model_len:
+        raise ValueError(
+            f"output_token_ids: the prompt and its {num_outputs} output tokens ({total}) leave "
+            f"no room within max_model_len ({model.max_model_len})"
+        )

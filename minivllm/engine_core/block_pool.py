@@ -91,7 +91,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        blocks: list[KVCacheBlock],
+        blocks: list[KVCacheBlock | None],
         block_hashes: list[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
@@ -105,6 +105,8 @@ class BlockPool:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
+            if block is None:  # freed behind a sliding window before it could be cached
+                continue
             if block.block_hash is not None or block_hash in self.cached_blocks:
                 continue
             block.block_hash = block_hash

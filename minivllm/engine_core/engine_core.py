@@ -35,6 +35,15 @@ from minivllm.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+def _freed_window(config: EngineConfig) -> int | None:
+    """The window behind which a request's KV blocks are freed: the model's, when every layer
+    has one, unless a draft model shares the blocks (its layers may read the whole context)."""
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":
+        return None
+    return config.model.kv_sliding_window
+
+
 def _executor_class(config: EngineConfig) -> type[Executor]:
     backend = config.parallel.distributed_executor_backend
     if backend == "ray":
@@ -62,12 +71,13 @@ class EngineCore:
         self.config = config
         executor_class = executor_class or _executor_class(config)
         start = time.monotonic()
-        model = config.model
+        model, spec = config.model, config.speculative
         # first: its compiler builds in the background while the workers start
         self.structured = StructuredOutputManager(
             None if model.skip_tokenizer_init else model.tokenizer,
             model.vocab_size,
             config.scheduler.max_num_seqs,
+            0 if spec is None else spec.num_speculative_tokens,
         )
         try:
             self.executor = executor_class(config)
@@ -76,7 +86,13 @@ class EngineCore:
             raise
         try:
             self.num_blocks = self.executor.num_blocks
-            self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+            self.scheduler = Scheduler(
+                config.scheduler,
+                config.cache,
+                self.num_blocks,
+                sliding_window=_freed_window(config),
+                speculative=config.speculative,
+            )
             # steps launched but not yet applied: at most one in flight with async scheduling
             self.batch_queue: deque[_InFlight] = deque()
             self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
@@ -90,11 +106,14 @@ class EngineCore:
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.executor.startup_s.items())
         logger.info(
-            "engine core ready in %.1f s (%s): %d KV blocks, async scheduling %s",
+            "engine core ready in %.1f s (%s): %d KV blocks, async scheduling %s%s",
             time.monotonic() - start,
             phases,
             self.num_blocks,
             "on" if config.scheduler.async_scheduling else "off",
+            ""
+            if spec is None
+            else f", speculative decoding {spec.method} (k={spec.num_speculative_tokens})",
         )
 
     # ------------------------------------------------------------------ requests
@@ -103,7 +122,8 @@ class EngineCore:
         """Queue a request; one the engine can never serve ends at once with an error output."""
         try:
             check_request(request, self.config.model)
-            self.scheduler.check_admission(request.request_id, len(request.prompt_token_ids))
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            self.scheduler.check_admission(request.request_id, num_tokens)
             req = Request.from_engine_core_request(request, engine_seed=self.config.model.seed)
             structured = request.sampling_params.structured_outputs
             if structured is not None:
@@ -174,9 +194,10 @@ class EngineCore:
         """The step's second call, with its grammar bitmask if it has structured outputs."""
         so, bitmask = step.scheduler_output, None
         if so.structured_output_req_ids:
-            requests = self.scheduler.requests
+            requests, ids = self.scheduler.requests, so.structured_output_req_ids
+            drafts = so.scheduled_spec_decode_tokens
             mask = self.structured.fill_bitmask(
-                [requests.get(r) for r in so.structured_output_req_ids]
+                [requests.get(r) for r in ids], [drafts.get(r, []) for r in ids] if drafts else None
             )
             bitmask = GrammarBitmask(so.step_id, mask)
         step.result = self.executor.sample_tokens(bitmask)

@@ -98,11 +98,16 @@ class Request:
         # its grammar and matcher (StructuredOutputRequest), if it has structured outputs
         self.structured_output = None
         self.events: list[EngineCoreEvent] = []  # not yet sent; ride on its next output
+        self.spec_token_ids: list[int] = []  # drafts for its next step
+        self.spec_wanted = False  # drafts were proposed while a step was in flight: wait for it
+        self.num_drafts_in_flight = 0  # drafts the step in flight verifies
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, engine_seed: int = 0) -> Request:
-        """Without a user seed, the sample seed is derived from `engine_seed` and the id."""
-        return cls(
+        """Without a user seed, the sample seed is derived from `engine_seed` and the id. A
+        continuation's output so far becomes its output, as a preempted request keeps its
+        own: computed again with the prompt before the next token is sampled."""
+        request = cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -111,6 +116,10 @@ class Request:
             client_id=req.client_id,
             sample_seed=derive_seed(engine_seed, req.request_id),
         )
+        if req.output_token_ids:
+            request.output_token_ids = list(req.output_token_ids)
+            request.all_token_ids.extend(req.output_token_ids)
+        return request
 
     def record_event(self, event_type: EngineCoreEventType) -> None:
         self.events.append(EngineCoreEvent(event_type, time.time()))

@@ -16,6 +16,11 @@ N (at most one step in flight). A request's tokens are counted as
 `num_tokens + num_output_placeholders`, the placeholders being tokens that scheduled steps
 will sample, so the same code serves both orders.
 
+Speculative decoding (speculator.py): a decoding request with draft tokens runs its last
+token and the drafts in one step (`scheduled_spec_decode_tokens`), which returns the accepted
+drafts and one more token; the rejected drafts' KV slots are taken back
+(`num_computed_tokens`) and written over by the next step.
+
 Outputs are returned grouped by client: `{client_id: [EngineCoreOutput, ...]}`.
 """
 
@@ -29,17 +34,19 @@ import msgspec
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.engine_core.output_logprobs import OutputLogprobs, needs_prompt_logprobs
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
+from minivllm.engine_core.speculator import Speculator
 from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
-    LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
+from minivllm.speculative_config import SpeculativeConfig
 
 ClientOutputs = dict[int, list[EngineCoreOutput]]
 
@@ -53,14 +60,20 @@ class _NextStep:
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     structured: list[str] = field(default_factory=list)  # sample under a grammar
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     preempted: bool = False
 
-    def take(self, request: Request, num_new: int) -> None:
-        """Schedule `num_new` more tokens of `request`; one whose known tokens all have KV
-        after this step samples its next token in it."""
+    def take(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
+        """Schedule `num_new` more tokens of `request`, the last `num_drafts` of them its
+        draft tokens; one whose known tokens all have KV after this step samples its next
+        token (or verifies its drafts) in it."""
         self.num_scheduled[request.request_id] = num_new
         self.budget -= num_new
         request.num_computed_tokens += num_new
+        if num_drafts:
+            self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+            request.num_drafts_in_flight = num_drafts
+        request.spec_token_ids = []
         if request.num_computed_tokens >= len(request.all_token_ids):
             request.num_output_placeholders += 1
             grammar = request.structured_output
@@ -70,15 +83,32 @@ class _NextStep:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        sliding_window: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
+        """`sliding_window`: set when every layer of the model attends over a window of at
+        most that many tokens (`ModelConfig.kv_sliding_window`); blocks behind it are freed."""
         self.config = scheduler_config
-        self.block_size = cache_config.block_size
+        self.spec = None
+        if speculative is not None:
+            self.spec = Speculator(speculative, scheduler_config.long_rope_threshold)
+        # KV slots past a step's tokens that the draft model writes while it proposes
+        self.lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
+        self.block_size = bs = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, bs, cache_config.enable_prefix_caching, sliding_window
         )
-        # a sequence never outgrows the whole cache, so a request alone always fits
-        self.max_len = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
+        # a request alone always fits: its sequence never outgrows the whole cache, unless a
+        # sliding window bounds the blocks it holds
+        step_tokens = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+        self.fits_any_length = self.kv_cache_manager.fits_any_length(step_tokens)
+        self.max_len = scheduler_config.max_model_len
+        if not self.fits_any_length:
+            self.max_len = min(self.max_len, num_blocks * bs)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -87,8 +117,7 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
-        # req_id -> prompt logprobs received so far, sent with the request's first token
-        self.prompt_logprobs: dict[str, list[LogprobsArrays]] = {}
+        self.logprobs = OutputLogprobs()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -106,7 +135,7 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})"
             )
         num_blocks = self.kv_cache_manager.num_blocks
-        if cdiv(n, self.block_size) > num_blocks:
+        if cdiv(n, self.block_size) > num_blocks and not self.fits_any_length:
             raise ValueError(
                 f"request {request_id}: the prompt ({n} tokens) needs "
                 f"{cdiv(n, self.block_size)} KV blocks but the cache has only {num_blocks} "
@@ -153,8 +182,8 @@ class Scheduler:
         return bool(self.requests)
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
+        kv, spec = self.kv_cache_manager, self.spec
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
@@ -164,6 +193,9 @@ class Scheduler:
             step_counter=self.step_id,
             num_generated_tokens=self.num_generated_tokens,
         )
+        if spec is not None:
+            spec.fill_stats(stats)
+        return stats
 
     # ------------------------------------------------------------------ one step
 
@@ -184,6 +216,7 @@ class Scheduler:
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=sorted(self.preempted_req_ids),
             structured_output_req_ids=step.structured,
+            scheduled_spec_decode_tokens=step.spec_tokens,
             num_common_prefix_blocks=self.kv_cache_manager.get_num_common_prefix_blocks(
                 running[0].request_id, len(running)
             )
@@ -196,8 +229,8 @@ class Scheduler:
         return output
 
     def _schedule_running(self, step: _NextStep) -> None:
-        """Each running request's next tokens (a decode's one, a long prompt's next chunk),
-        preempting the newest running requests while blocks run out."""
+        """Each running request's next tokens (a decode's one and its drafts, a long
+        prompt's next chunk), preempting the newest running requests while blocks run out."""
         kv, running, max_len = self.kv_cache_manager, self.running, self.max_len
         cached = step.cached_reqs
         cached_ids, cached_blocks, cached_computed = (
@@ -209,17 +242,26 @@ class Scheduler:
             request = running[i]
             i += 1
             num_computed = request.num_computed_tokens
-            num_pending = len(request.all_token_ids) + request.num_output_placeholders
-            if request.num_output_placeholders and num_pending >= request.max_num_tokens:
+            placeholders = request.num_output_placeholders
+            if request.num_drafts_in_flight or (placeholders and request.spec_wanted):
+                continue  # how many tokens its step in flight returns decides where it goes on
+            num_pending = len(request.all_token_ids) + placeholders
+            if placeholders and num_pending >= request.max_num_tokens:
                 continue  # the token in flight ends it by length: nothing more to compute
-            num_new = min(num_pending - num_computed, step.budget, max_len - num_computed)
+            num_known = num_pending - num_computed
+            num_new = min(
+                num_known + len(request.spec_token_ids), step.budget, max_len - num_computed
+            )
             if num_new <= 0:
                 continue
             if self._outgrows_short_rope(request, num_computed + num_new):
                 i -= 1
                 self._preempt(running.pop(i))
                 continue
-            while (new_block_ids := kv.allocate_slots(request, num_new)) is None:
+            lookahead = min(self.lookahead, max_len - num_computed - num_new)
+            while (
+                new_block_ids := kv.allocate_slots(request, num_new, None, 0, lookahead)
+            ) is None:
                 victim = running.pop()
                 self._preempt(victim)
                 step.preempted = True
@@ -230,7 +272,7 @@ class Scheduler:
             cached_ids.append(request.request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(num_computed)
-            take(request, num_new)
+            take(request, num_new, max(0, num_new - num_known))
 
     def _schedule_waiting(self, step: _NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks
@@ -245,7 +287,7 @@ class Scheduler:
                 compiling.append(waiting.popleft())
                 continue
             self._settle_long_rope(request)
-            if _needs_prompt_logprobs(request):
+            if needs_prompt_logprobs(request):
                 hit_blocks, num_hit = [], 0
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -253,7 +295,8 @@ class Scheduler:
             if num_new > step.budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, step.budget)
-            if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+            lookahead = min(self.lookahead, self.max_len - num_hit - num_new)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit, lookahead) is None:
                 break
             waiting.popleft()
             self.running.append(request)
@@ -275,13 +318,23 @@ class Scheduler:
         previous step) are gone from `self.requests`: their extra token is dropped.
         """
         outputs: ClientOutputs = {}
-        runner = model_runner_output
-        for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
+        runner, spec = model_runner_output, self.spec
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        worker_drafts = runner.draft_token_ids
+        for i, (request_id, sampled) in enumerate(
+            zip(runner.req_ids, runner.sampled_token_ids, strict=True)
+        ):
             request = self.requests.get(request_id)
             if request is None or not sampled:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            drafts = spec_tokens.get(request_id)
+            if drafts:
+                request.num_drafts_in_flight = 0
+                num_rejected = spec.verified(len(drafts), len(sampled))
+                if request.status == RequestStatus.RUNNING:  # (else preempted: recomputed)
+                    request.num_computed_tokens -= num_rejected
             num_new = 0
             for token_id in sampled:
                 request.append_output_token(token_id)
@@ -298,6 +351,8 @@ class Scheduler:
                     request.status = RequestStatus.FINISHED_ERROR
                 else:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
+            if spec is not None and request.status == RequestStatus.RUNNING:
+                spec.propose(request, worker_drafts[i] if worker_drafts else [])
             out = self._make_output(request, new_token_ids)
             if request.status == RequestStatus.FINISHED_ERROR:
                 out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
@@ -305,25 +360,8 @@ class Scheduler:
                 out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)
         if runner.logprobs is not None or runner.prompt_logprobs:
-            self._attach_logprobs(outputs, runner)
+            self.logprobs.attach(outputs.values(), runner, self.requests)
         return outputs
-
-    def _attach_logprobs(self, outputs: ClientOutputs, runner: ModelRunnerOutput) -> None:
-        """Give each output the logprobs of its new tokens and, with its first token, those
-        of its whole prompt (gathered over the prefill chunks)."""
-        for req_id, part in runner.prompt_logprobs.items():
-            self.prompt_logprobs.setdefault(req_id, []).append(part)
-        rows = {runner.req_ids[i]: row for row, i in enumerate(runner.logprobs_req_idx)}
-        for client_outputs in outputs.values():
-            for out in client_outputs:
-                row = rows.get(out.request_id)
-                if row is not None and out.new_token_ids:
-                    out.new_logprobs = runner.logprobs.rows(row, row + len(out.new_token_ids))
-                if out.new_token_ids and (parts := self.prompt_logprobs.pop(out.request_id, None)):
-                    out.new_prompt_logprobs = LogprobsArrays.concat(parts)
-        for req_id in runner.prompt_logprobs:
-            if req_id not in self.requests:  # ended while this step ran
-                self.prompt_logprobs.pop(req_id, None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -356,10 +394,11 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         if not request.num_output_placeholders:  # else its last prompt chunk is in flight
-            self.prompt_logprobs.pop(request.request_id, None)  # recomputed, sent again
+            self.logprobs.drop(request.request_id)  # recomputed, sent again
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_wanted = [], False
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
         self.num_preemptions += 1
@@ -372,13 +411,15 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
-        self.prompt_logprobs.pop(request.request_id, None)
+        self.logprobs.drop(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         params = request.sampling_params
-        if params.prompt_logprobs is not None and not _needs_prompt_logprobs(request):
+        if params.prompt_logprobs is not None and not needs_prompt_logprobs(request):
             # resumed after its first token: its prompt logprobs are out already
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         return NewRequestData(
@@ -400,8 +441,3 @@ class Scheduler:
             request.stop_reason,
             max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
         )
-
-
-def _needs_prompt_logprobs(request: Request) -> bool:
-    """Prompt logprobs still to compute: the whole prompt runs, none of it from the cache."""
-    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

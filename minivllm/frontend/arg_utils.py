@@ -43,6 +43,13 @@ HELP = {
     "tensor_parallel_size": "GPUs (worker processes) one model is split over",
     "data_parallel_size": "engine-cores, each with its own scheduler, KV cache and "
     "tensor-parallel group; requests are routed over them",
+    "data_parallel_failover_limit": "a request whose engine-core dies goes on on another "
+    "(its tokens so far carried over), unless this many engine-cores have died holding it; "
+    "1: it fails with the first",
+    "data_parallel_restart": "restart a dead engine-core (same arguments, same GPUs) and "
+    "route to it again once it is ready",
+    "data_parallel_restart_backoff_s": "with --data-parallel-restart: seconds before "
+    "restarting an engine-core that died again soon after its restart, doubling each time",
     "enable_expert_parallel": "mixtures of experts: each rank holds whole experts (E / TP of "
     "them) instead of a slice of every expert (no effect on dense models)",
     "load_format": "auto: the checkpoint's safetensors, or gguf for a GGUF file; gguf: a "
@@ -62,13 +69,20 @@ HELP = {
     "only the built-in architectures (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral) load",
     "revision": "refused with an error: models load from local directories, which have no "
     "revisions",
-    "quantization": "weight quantization; supported: "
-    + (", ".join(QUANTIZATION_METHODS) or "none yet (an error names what is supported)"),
+    "quantization": "the weights' quantization method: "
+    + ", ".join(QUANTIZATION_METHODS)
+    + " (default: the checkpoint's quantization_config; fp8 on a 16-bit checkpoint quantizes "
+    "it at load; with --load-format dummy, random weights as that method's tool writes them; "
+    "gguf: a GGUF file's, implied by the file)",
     "generation_config": "sampling defaults for fields a request leaves unset: auto: the "
     "model's generation_config.json; vllm: vLLM's neutral defaults; or a directory holding "
     "a generation_config.json",
     "override_generation_config": "JSON object over the generation config, e.g. "
     "'{\"temperature\": 0.5}'",
+    "speculative_config": "speculative decoding, as a JSON object: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\'',
 }
 
 
@@ -109,7 +123,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
 def _base_type(kind: typing.Any) -> type:
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        return args[0]
+        return _base_type(args[0])
     return typing.get_origin(kind) or kind
 
 
@@ -126,7 +140,7 @@ def _json_object(text: str) -> dict[str, typing.Any]:
 def _quantization(name: str) -> str:
     """A quantization method this engine loads; anything else is refused before any start."""
     if name not in QUANTIZATION_METHODS:
-        supported = ", ".join(QUANTIZATION_METHODS) or "none yet"
+        supported = ", ".join(QUANTIZATION_METHODS)
         raise argparse.ArgumentTypeError(f"{name!r} is not supported (supported: {supported})")
     return name
 

@@ -14,6 +14,7 @@ from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.clients.dp_client import DPAsyncClient, attach_client, make_client
 from minivllm.frontend.clients.mp_client import AsyncMPClient
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
@@ -80,14 +81,23 @@ class AsyncLLM:
         stat_loggers: list[StatLogger] | None = None,
         curve: CurveClientKeys | None = None,
         tokenizer: str | None = None,
+        data_parallel_failover_limit: int = DEFAULT_FAILOVER_LIMIT,
     ) -> AsyncLLM:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: one serving frontend over all, requests routed as with data parallelism).
+        (a list: one serving frontend over all, requests routed as with data parallelism;
+        a request whose daemon dies goes on on another, unless
+        `data_parallel_failover_limit` daemons have died holding it).
         `curve`: the keys a daemon on a network address asks for
         (`CurveClientKeys.load(server_key, secret_key)`). The model's config and tokenizer
         come from the daemon, so no model files are needed here; `tokenizer`: a directory
         to load the tokenizer from instead."""
-        client = attach_client(address, curve, asynchronous=True, has_tokenizer=bool(tokenizer))
+        client = attach_client(
+            address,
+            curve,
+            asynchronous=True,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=data_parallel_failover_limit,
+        )
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
@@ -172,7 +182,8 @@ class AsyncLLM:
             await self.client.abort_requests_async(processed.reqs_to_abort)
 
     def _lost(self, error: EngineCoreDeadError) -> None:
-        """One of several cores died: its requests end with `error`."""
+        """One of several cores died, and these of its requests could not move on: they
+        end with `error`."""
         for request_id in self.output_processor.forget_lost(error.request_ids):
             queue = self._queues.get(request_id)
             if queue is not None:
@@ -221,7 +232,7 @@ async def _output_handler(
         while True:
             try:
                 outputs: EngineCoreOutputs | EngineCoreDeadError = await client.get_output_async()
-            except EngineCoreDeadError as e:  # one of several cores: its requests only
+            except EngineCoreDeadError as e:  # one of several cores: the requests it names
                 outputs = e
             llm = ref()
             if llm is None:

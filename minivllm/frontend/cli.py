@@ -111,6 +111,7 @@ def daemon_addresses(address: str | None) -> tuple[str, str, str | None]:
 
 
 def _run_engine_core(args: argparse.Namespace) -> None:
+    from minivllm.config import EngineArgs
     from minivllm.engine_core.core_process import run_engine_core
     from minivllm.frontend import handshake_model
     from minivllm.frontend.arg_utils import absolute_paths, engine_args_from
@@ -128,12 +129,23 @@ def _run_engine_core(args: argparse.Namespace) -> None:
             curve = CurveServerKeys.load(args.curve_secret_key, args.curve_clients)
         for address in (input_address, output_address):
             check_listen_address(address, curve)
+        if args.data_parallel_restart:
+            raise ValueError(
+                "--data-parallel-restart is for a frontend that starts its engine-cores; "
+                "a daemon is restarted by whatever runs it"
+            )
         # its clients run in other directories, or on other hosts
         config = engine_args_from(args, **absolute_paths(args)).create_engine_config()
-        if config.parallel.data_parallel_size > 1:
+        parallel = config.parallel
+        if parallel.data_parallel_size > 1:
             raise ValueError(
                 "a daemon is one engine-core; for data parallelism start one per rank and "
                 "attach with AsyncLLM.connect([ADDRESS, ...]) or serve --connect A,B"
+            )
+        if parallel.data_parallel_failover_limit != EngineArgs.data_parallel_failover_limit:
+            raise ValueError(
+                "--data-parallel-failover-limit is for the client that routes over daemons "
+                "(serve --connect A,B, or connect(..., data_parallel_failover_limit=N))"
             )
     except ValueError as e:
         if ipc_dir is not None:

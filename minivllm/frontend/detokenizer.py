@@ -97,6 +97,21 @@ class IncrementalDetokenizer:
         self._unreleased[:] = [text[num_released:truncate_to]]
         return stop_str
 
+    def update_tokens(
+        self, new_token_ids: list[int], finish_reason: FinishReason | None
+    ) -> tuple[str | None, int]:
+        """`update` for a step that may bring several tokens (speculative decoding): a stop
+        string ends the text at the token that completes it, as it would have one step at a
+        time. Returns the stop string (or None) and how many of the ids the text took."""
+        if len(new_token_ids) == 1 or not self.stop:
+            return self.update(new_token_ids, finish_reason), len(new_token_ids)
+        last = len(new_token_ids) - 1
+        for i, token_id in enumerate(new_token_ids):
+            stop_str = self.update([token_id], finish_reason if i == last else None)
+            if stop_str is not None:
+                return stop_str, i + 1
+        return None, len(new_token_ids)
+
     @property
     def output_text(self) -> str:
         parts = self._parts

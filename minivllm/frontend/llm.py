@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from minivllm.config import EngineArgs
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
@@ -35,6 +36,7 @@ class LLM:
         address: str | list[str],
         curve: CurveClientKeys | None = None,
         tokenizer: str | None = None,
+        data_parallel_failover_limit: int = DEFAULT_FAILOVER_LIMIT,
     ) -> LLM:
         """Attach to a running `minivllm engine-core` daemon (or a list of them, requests
         routed over all) instead of starting an engine; `shutdown()` (or leaving `with`, or
@@ -42,10 +44,11 @@ class LLM:
         keys a daemon on a network address asks for (`CurveClientKeys.load(server_key,
         secret_key)`). No model files are needed here: the daemon sends its tokenizer,
         limits and sampling defaults; `tokenizer`: a directory to load the tokenizer from
-        instead."""
+        instead. Over several daemons, a request whose daemon dies goes on on another,
+        unless `data_parallel_failover_limit` daemons have died holding it."""
         llm = cls.__new__(cls)
         llm.engine_args = None
-        llm.llm_engine = LLMEngine.connect(address, curve, tokenizer)
+        llm.llm_engine = LLMEngine.connect(address, curve, tokenizer, data_parallel_failover_limit)
         llm._counter = itertools.count()
         return llm
 

@@ -8,6 +8,7 @@ from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError
 from minivllm.frontend.clients.core_client import EngineCoreClient, InprocClient
 from minivllm.frontend.clients.dp_client import attach_client, make_client
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer
@@ -67,11 +68,19 @@ class LLMEngine:
         address: str | list[str],
         curve: CurveClientKeys | None = None,
         tokenizer: str | None = None,
+        data_parallel_failover_limit: int = DEFAULT_FAILOVER_LIMIT,
     ) -> LLMEngine:
         """Attach to a running `minivllm engine-core` daemon at `address`, or to several
-        (a list: requests routed over them as with data parallelism). The model's config
-        and tokenizer come from the daemon; `tokenizer`: a directory to load it from instead."""
-        client = attach_client(address, curve, asynchronous=False, has_tokenizer=bool(tokenizer))
+        (a list: requests routed over them as with data parallelism, and moved to another
+        when theirs dies). The model's config and tokenizer come from the daemon;
+        `tokenizer`: a directory to load it from instead."""
+        client = attach_client(
+            address,
+            curve,
+            asynchronous=False,
+            has_tokenizer=bool(tokenizer),
+            failover_limit=data_parallel_failover_limit,
+        )
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
@@ -97,7 +106,8 @@ class LLMEngine:
         try:
             outputs = self.engine_core.get_output()
         except EngineCoreDeadError as e:
-            # one of several cores died: its requests end here, the others' steps go on
+            # requests that failed with a dead engine-core (the rest moved on): they end
+            # here, the others' steps go on
             self.output_processor.forget_lost(e.request_ids)
             raise
         processed = self.output_processor.process_outputs(outputs.outputs)

@@ -223,18 +223,25 @@ class OutputProcessor:
             if finish_reason == FinishReason.ERROR:
                 self._fail(state, out.error or "the engine-core reported an error", result)
                 continue
-            if state.logprobs is not None:
-                state.logprobs.add(out.new_logprobs, out.new_prompt_logprobs)
-            if not state.delta:
-                state.token_ids.extend(out.new_token_ids)
+            new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
             stop_string = None  # the stop string that ended the text, if any
             if state.detokenizer is not None:
-                stop_string = state.detokenizer.update(out.new_token_ids, finish_reason)
+                stop_string, num_taken = state.detokenizer.update_tokens(
+                    new_token_ids, finish_reason
+                )
+                if num_taken < len(new_token_ids):  # the rest came after the stop string
+                    new_token_ids = new_token_ids[:num_taken]
+                    if new_logprobs is not None:
+                        new_logprobs = new_logprobs.rows(0, num_taken)
+            if state.logprobs is not None:
+                state.logprobs.add(new_logprobs, out.new_prompt_logprobs)
+            if not state.delta:
+                state.token_ids.extend(new_token_ids)
             if stop_string is not None:
                 if finish_reason is None:
                     result.reqs_to_abort.append(state.internal_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
-            completion = state.completion(out.new_token_ids, finish_reason, stop_reason)
+            completion = state.completion(new_token_ids, finish_reason, stop_reason)
             if finish_reason is not None:
                 self._forget(state)
             if completion is None:

@@ -60,6 +60,8 @@ def _bounded(kind: Any, max_length: int) -> Any:
 # Field types that carry their bound, for the wire types.
 RequestId = _bounded(str, MAX_REQUEST_ID_CHARS)
 PromptTokenIds = _bounded(list[int], MAX_PROMPT_TOKENS)
+# a continuation's output so far: with its prompt, within max_model_len (the engine-core checks)
+OutputTokenIds = _bounded(list[int], MAX_PROMPT_TOKENS)
 EosTokenIds = _bounded(list[int], MAX_EOS_TOKEN_IDS)
 AbortIds = _bounded(list[RequestId], MAX_ABORT_IDS)
 _StopString = _bounded(str, MAX_STOP_STRING_CHARS)

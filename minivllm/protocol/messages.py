@@ -25,6 +25,7 @@ from minivllm.protocol.limits import (
     AllStopTokenIds,
     EosTokenIds,
     ModelConfigBytes,
+    OutputTokenIds,
     PromptTokenIds,
     RequestId,
     TokenizerFileData,
@@ -32,7 +33,7 @@ from minivllm.protocol.limits import (
 )
 from minivllm.protocol.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class FinishReason(enum.IntEnum):
@@ -86,7 +87,13 @@ def _pad(a: np.ndarray, width: int, value: float) -> np.ndarray:
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tokenized, validated request. `request_id` is the engine-internal unique id.
-    Sizes are bounded on decode (see limits.py); the engine-core checks max_model_len next."""
+    Sizes are bounded on decode (see limits.py); the engine-core checks max_model_len next.
+
+    A continuation (failover: the request ran on an engine-core that died) carries the
+    tokens it already produced in `output_token_ids`; the engine-core takes them as
+    *outputs*, as after a preemption: they are computed again with the prompt, count
+    towards max_tokens and min_tokens, feed the penalties and the grammar, and the next
+    token is sampled at the position (and so with the random numbers) it had."""
 
     request_id: RequestId
     prompt_token_ids: PromptTokenIds
@@ -94,6 +101,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: EosTokenIds = []
     arrival_time: float = 0.0
     client_id: int = 0  # filled in by the engine-core from the sending socket
+    output_token_ids: OutputTokenIds = []  # a continuation's output so far; else empty
 
 
 class Abort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -167,6 +175,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0  # cumulative
     step_counter: int = 0
     num_generated_tokens: int = 0  # cumulative
+    # speculative decoding (cumulative): verifications (requests x steps with drafts), the
+    # draft tokens they verified, those accepted, and the accepted ones by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -278,6 +292,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # leading blocks held by every running request (a shared prompt prefix): the workers
     # may attend it once for all of them (cascade attention)
     num_common_prefix_blocks: int = 0
+    # speculative decoding: req_id -> the draft tokens this step verifies after the
+    # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)); the step
+    # samples 1 + len(drafts) rows for it and returns the accepted drafts and one more token
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -287,8 +305,10 @@ class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     to sample; a step without structured outputs is sampled without it."""
 
     step_id: int
-    # int32 [len(SchedulerOutput.structured_output_req_ids), ceil(vocab_size / 32)]: bit
-    # (t % 32) of word t // 32 set means token t may be sampled; a raw frame on the wire
+    # int32 [rows, ceil(vocab_size / 32)]: bit (t % 32) of word t // 32 set means token t
+    # may be sampled; one row per sampled position of each request of
+    # `SchedulerOutput.structured_output_req_ids`, in that order (1 + its draft tokens:
+    # row j is the mask after the first j drafts); a raw frame on the wire
     bitmask: np.ndarray
 
 
@@ -297,15 +317,20 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     step_id: int
     req_ids: list[str] = []
-    # one list per request: the sampled ids, empty for a prefill chunk that samples nothing
+    # one list per request: the sampled ids, empty for a prefill chunk that samples nothing;
+    # a verification step's are its accepted draft tokens and one more (1 to 1 + drafts)
     sampled_token_ids: list[list[int]] = []
     error: str | None = None  # the step failed; the engine turns this into a dead engine
     # logprobs of the sampled tokens of the requests that asked (SamplingParams.logprobs),
-    # one row each, for the requests at logprobs_req_idx (indices into req_ids)
+    # one row per sampled token, for the requests at logprobs_req_idx (indices into
+    # req_ids), each request's rows one after another
     logprobs: LogprobsArrays | None = None
     logprobs_req_idx: list[int] = []
     # req_id -> logprobs of the prompt tokens this step's chunk predicted, in prompt order
     prompt_logprobs: dict[str, LogprobsArrays] = {}
+    # speculative decoding with a draft model: per request (as req_ids; empty if none) the
+    # draft tokens it proposes after this step's last sampled token
+    draft_token_ids: list[list[int]] = []
 
 
 class Rendezvous(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -9,10 +9,11 @@ Frame layout::
     then         one raw buffer per large numpy array, in the order the body names them
 
 With `MsgEncoder(aux_threshold=N)`, token-id lists longer than N
-(`EngineCoreRequest.prompt_token_ids`, `NewRequestData.token_ids`) leave the body: they are
-encoded there as `[]` and travel as raw int32 frames that ZMQ sends without copying. A slot
-names the list a frame belongs to: slot 0 is the request's prompt; slot i is
-`scheduled_new_reqs[i].token_ids` of a `SchedulerOutput`.
+(`EngineCoreRequest.prompt_token_ids` and `.output_token_ids`, `NewRequestData.token_ids`)
+leave the body: they are encoded there as `[]` and travel as raw int32 frames that ZMQ sends
+without copying. A slot names the list a frame belongs to: slot 0 is the request's prompt,
+slot 1 a continuation's output so far; slot i is `scheduled_new_reqs[i].token_ids` of a
+`SchedulerOutput`.
 
 The new tokens' logprobs of an `EngineCoreOutputs` leave the body the same way, all outputs'
 rows in three frames (int32 token ids, float32 logprobs, int32 ranks), so a step's logprobs
@@ -153,8 +154,12 @@ class MsgEncoder:
         if type(msg) is EngineCoreOutputs:
             return _move_out_logprobs(msg, slots, aux)
         if type(msg) is EngineCoreRequest:
-            if len(msg.prompt_token_ids) > limit and _move_out(msg.prompt_token_ids, 0, slots, aux):
-                return msgspec.structs.replace(msg, prompt_token_ids=[])
+            moved = {
+                name: []
+                for slot, name in enumerate(_REQUEST_ID_FIELDS)
+                if len(ids := getattr(msg, name)) > limit and _move_out(ids, slot, slots, aux)
+            }
+            return msgspec.structs.replace(msg, **moved) if moved else msg
         elif type(msg) is SchedulerOutput:
             new_reqs = msg.scheduled_new_reqs
             if any(len(r.token_ids) > limit for r in new_reqs):
@@ -241,15 +246,13 @@ class MsgDecoder:
 
     def _move_in_ids(self, msg: Any, slots: list[int], frames: Sequence[Any]) -> None:
         if type(msg) is EngineCoreRequest:
-            owners = [msg]
-            field = "prompt_token_ids"
+            lists = [(msg, name) for name in _REQUEST_ID_FIELDS]
         elif type(msg) is SchedulerOutput:
-            owners = msg.scheduled_new_reqs
-            field = "token_ids"
+            lists = [(req, "token_ids") for req in msg.scheduled_new_reqs]
         else:
             raise ProtocolError(f"{type(msg).__name__} carries no id frames")
-        for slot, frame in zip(_increasing(slots, len(owners)), frames, strict=True):
-            owner = owners[slot]
+        for slot, frame in zip(_increasing(slots, len(lists)), frames, strict=True):
+            owner, field = lists[slot]
             if getattr(owner, field):
                 raise ProtocolError(f"id slot {slot} is also in the body")
             buf = memoryview(frame)
@@ -261,6 +264,10 @@ class MsgDecoder:
                     f"{self.max_ids}"
                 )
             setattr(owner, field, np.frombuffer(buf, dtype=_INT32).tolist())
+
+
+# the id lists of an `EngineCoreRequest`, by slot
+_REQUEST_ID_FIELDS = ("prompt_token_ids", "output_token_ids")
 
 
 def _move_out(ids: list[int], slot: int, slots: list[int], aux: Frames) -> bool:

@@ -78,6 +78,30 @@ def check_ipc_listener(address: str) -> None:
         probe.close()
 
 
+def refuses_connections(address: str, timeout_s: float = 0.05) -> bool:
+    """Whether nothing listens at `address` any more: an ipc path that is gone or refuses,
+    a tcp port that refuses. False when unsure (a host that does not answer in `timeout_s`):
+    a silent peer is then left to its heartbeat timeout."""
+    if address.startswith("ipc://"):
+        try:
+            check_ipc_listener(address)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return True
+        except OSError:
+            return False
+        return False
+    if not address.startswith("tcp://"):
+        return False
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:
     """`tcp://host:port`, with brackets for IPv6 hosts. Port 0: the OS picks one at bind."""
     if ":" in host and not host.startswith("["):

@@ -15,6 +15,11 @@ of kernels behind 22 ms of launches).
   and no row of the GEMMs or norms mixes with another); sequences n.. have no query
   tokens, so their attention programs return at once. The prefill kernel's grid is fixed
   by T and the sequence count, not by this step's prompt lengths.
+- With speculative decoding, a step of n sequences of at most 1 + k tokens each (decodes
+  and requests verifying up to k draft tokens, or short prompt chunks) replays the verify
+  graph of the smallest captured batch size B >= n, keyed by its B x (1 + k) tokens: every
+  sequence goes through the prefill kernel (its grid fixed by B and 1 + k); the tokens past
+  the step's are padding, and sequences n.. have none, as in a prefill graph.
 Any other step (mixed decodes and prompts, or longer) runs eagerly.
 """
 
@@ -27,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.worker.step_buffers import DeviceViews
+from minivllm.worker.step_buffers import DeviceViews, StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -95,25 +100,62 @@ class StepGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size`; returns its output (hidden states [size, hidden]), which
-        the next replay of a graph of the same pool overwrites."""
+        """Run the graph of `size`; returns its output (hidden states [tokens, hidden]),
+        which the next replay of a graph of the same pool overwrites."""
         graph, out = self._graphs[size]
         graph.replay()
         return out
+
+
+def static_forward(
+    model: torch.nn.Module, kv_caches: list[torch.Tensor], buffers: StepBuffers, max_len: int
+) -> Callable[..., torch.Tensor]:
+    """`forward(num_tokens, num_seqs, num_decodes, cascade, max_query_len)`: the forward of
+    `model` (the target, or a draft model) over the static device buffers for a step of that
+    shape, as a graph captures it: every length is read on the device, only the shapes are
+    fixed."""
+    d = buffers.dev
+
+    def forward(
+        num_tokens: int,
+        num_seqs: int,
+        num_decodes: int,
+        cascade: bool = False,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor:
+        meta = buffers.attention_metadata(
+            num_tokens,
+            num_seqs,
+            num_decodes,
+            max_query_len=max_query_len or (1 if num_decodes else num_tokens),
+            max_seq_len=max_len,
+            with_host_copies=False,
+            cascade=cascade,
+        )
+        return model(d.input_ids[:num_tokens], d.positions[:num_tokens], kv_caches, meta)
+
+    return forward
 
 
 class RunnerGraphs:
     """Every graph a model runner replays, and which one a step's shape takes. `forward`
     (num_tokens, num_seqs, num_decodes, cascade) runs the model over the static buffers."""
 
-    def __init__(self, max_num_seqs: int, cascade: bool, prefill: bool) -> None:
+    def __init__(
+        self, max_num_seqs: int, cascade: bool, prefill: bool, verify_width: int = 0
+    ) -> None:
+        """`verify_width`: 1 + the draft tokens a request verifies per step (0: none)."""
+        self._args = (max_num_seqs, cascade, prefill, verify_width)
         self.decode = StepGraphs()
         # decode steps whose rows share a cached prefix attend it once (attention/cascade.py);
         # their graphs are captured for fewer sizes (padding rows cost little at those sizes)
         self.cascade = StepGraphs("cascade decode")
         self.prefill = StepGraphs("prefill")  # none captured: prompts run eagerly
+        # keyed by token count: B sequences of up to verify_width tokens, B x verify_width
+        self.verify = StepGraphs("verify")
         self.with_cascade, self.with_prefill = cascade, prefill
         self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
+        self.verify_width = verify_width if prefill else 0
 
     def capture(
         self,
@@ -121,9 +163,11 @@ class RunnerGraphs:
         d: DeviceViews,
         max_num_seqs: int,
         max_tokens: int,
+        pool: object = None,
     ) -> None:
         """Capture every graph over the device views `d`, which hold what padding holds at
-        replay: no KV slot, no context, no query tokens."""
+        replay: no KV slot, no context, no query tokens; in the memory pool `pool` (that of
+        other graphs, which never run at the same time), or a new one."""
         d.slot_mapping.fill_(-1)
         d.seq_lens.zero_()
         d.decode_order.copy_(torch.arange(d.decode_order.numel(), dtype=torch.int32))
@@ -132,7 +176,7 @@ class RunnerGraphs:
         d.cascade_prefix_len.zero_()
         d.query_start_loc.zero_()
         sizes = capture_sizes(min(max_num_seqs, max_tokens))
-        self.decode.capture(lambda b: forward(b, b, b), sizes)
+        self.decode.capture(lambda b: forward(b, b, b), sizes, pool)
         pool = self.decode.pool  # one step runs at a time: every graph shares one pool
         if self.with_cascade:
             cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
@@ -142,17 +186,36 @@ class RunnerGraphs:
         if self.with_prefill:
             prefill_sizes = prefill_capture_sizes(max_tokens)
             self.prefill.capture(lambda t: forward(t, self.prefill_seqs, 0), prefill_sizes, pool)
+        width = self.verify_width
+        verify_sizes = [b * width for b in sizes if b * width <= max_tokens]
+        if width and verify_sizes:
+            verify = lambda t: forward(t, t // width, 0, False, width)  # noqa: E731
+            self.verify.capture(verify, verify_sizes, pool)
+
+    def like(self) -> RunnerGraphs:
+        """Graphs of the same kinds, none captured yet (a draft model's)."""
+        return RunnerGraphs(*self._args)
+
+    def family(self, name: str) -> StepGraphs:
+        """The graphs of one kind of step, by `StepGraphs.name`."""
+        families = (self.decode, self.cascade, self.prefill, self.verify)
+        return next(g for g in families if g.name == name)
 
     def pick(
-        self, n: int, nd: int, total: int, cascade: bool
+        self, n: int, nd: int, total: int, cascade: bool, max_query_len: int = 1
     ) -> tuple[StepGraphs | None, int, int]:
-        """The graphs that run a step of n sequences (nd of them decodes, `total` tokens),
-        with its padded token and sequence counts; (None, total, n): run it eagerly."""
+        """The graphs that run a step of n sequences (nd of them decodes, `total` tokens, at
+        most `max_query_len` per sequence), with its padded token and sequence counts;
+        (None, total, n): run it eagerly."""
         if nd == n:
             graphs = self.cascade if cascade else self.decode
             size = graphs.padded_size(n)
             if size is not None:
                 return graphs, size, size
+        if max_query_len <= self.verify_width:
+            size = self.verify.padded_size(n * self.verify_width)
+            if size is not None:
+                return self.verify, size, size // self.verify_width
         elif nd == 0 and n <= self.prefill_seqs:
             size = self.prefill.padded_size(total)
             if size is not None:

@@ -10,11 +10,13 @@ of loading either.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 
 import torch
 
 from minivllm.config import ModelConfig
+from minivllm.worker.layers.quantization.base import QuantizationConfig
 from minivllm.worker.models.llama_family import DecoderVariant
 
 
@@ -56,6 +58,9 @@ def _layer_shapes(config: ModelConfig, variant: DecoderVariant) -> dict[str, tup
         layer["self_attn.o_proj.bias"] = (h,)
     if variant.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if variant.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,)})
+        layer.update({"post_feedforward_layernorm.weight": (h,)})
     return layer
 
 
@@ -107,16 +112,52 @@ def _fused(layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
 
 
 def dummy_weights(
-    config: ModelConfig, variant: DecoderVariant, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    variant: DecoderVariant,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant_config: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs: norms 1, matrices N(0, initializer_range), biases small."""
+    """(HF name, full tensor) pairs: norms 1 (Gemma's stored offset 0), matrices
+    N(0, initializer_range), biases small. With a quantization format, the linear layers'
+    weights (and experts) are quantized and stored as that format's checkpoints store them
+    (FP8 blocks and their scales, packed INT4, ...): the same weights as without one, before
+    quantizing."""
     std = float(config.hf_config.get("initializer_range", 0.02))
+    norm_fill = 0.0 if variant.norm_offset else 1.0
     for name, shape in hf_weight_shapes(config, variant).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+            yield name, torch.full(shape, norm_fill, dtype=dtype, device=device)
             continue
         digest = hashlib.sha256(f"{config.seed}:{name}".encode()).digest()
         gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
         tensor.normal_(0.0, std if len(shape) > 1 else std / 10, generator=gen)
-        yield name, tensor.to(dtype)
+        experts = _FUSED_EXPERTS.search(name)
+        module = name.removesuffix(".weight") if experts is None else name[: experts.start()]
+        quantized = _LINEAR.search(name) or experts
+        if quant_config is None or not quantized or quant_config.is_ignored(module):
+            yield name, tensor.to(dtype)
+        elif experts is None:
+            for suffix, value in quant_config.checkpoint_tensors(module, tensor).items():
+                yield f"{module}.{suffix}", value
+        else:
+            yield from _quantized_experts(module, experts.group(1), tensor, quant_config)
+
+
+# the linear layers' weights, which a quantized checkpoint stores in its format
+_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"\.(gate_up_proj|down_proj)$")
+
+
+def _quantized_experts(
+    module: str, stack: str, tensor: torch.Tensor, quant_config: QuantizationConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stack of experts (gate_up [E, 2I, H] or down [E, H, I]) as a quantized checkpoint
+    stores it: each expert's gate, up and down quantized on their own (Qwen3-*-FP8's names)."""
+    parts = ("down_proj",) if stack == "down_proj" else ("gate_proj", "up_proj")
+    for e, weights in enumerate(tensor):
+        for part, w in zip(parts, weights.chunk(len(parts)), strict=True):
+            name = f"{module}.{e}.{part}"
+            for suffix, value in quant_config.checkpoint_tensors(name, w).items():
+                yield f"{name}.{suffix}", value

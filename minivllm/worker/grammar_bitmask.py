@@ -46,23 +46,28 @@ class GrammarBitmasks:
             self._dev_rows = torch.empty(max_rows, dtype=torch.int64, device=device)
 
     def stage_step(
-        self, msg: GrammarBitmask, step_id: int, req_ids: list[str], sample_rows: dict[str, int]
+        self,
+        msg: GrammarBitmask,
+        step_id: int,
+        req_ids: list[str],
+        sample_rows: dict[str, tuple[int, int]],
     ) -> GrammarMask:
-        """Stage the bitmask of step `step_id`, one row per request of `req_ids` (its
-        structured-output requests), for their sampling rows (`sample_rows`, by request id);
-        RuntimeError if `msg` does not fit that step."""
+        """Stage the bitmask of step `step_id` for its structured-output requests `req_ids`,
+        each with its (first sampling row, number of rows) in `sample_rows` and as many
+        bitmask rows; RuntimeError if `msg` does not fit that step."""
         bitmask = msg.bitmask
-        expected = (len(req_ids), self.num_words)
+        try:
+            spans = [sample_rows[r] for r in req_ids]
+        except KeyError as e:
+            raise RuntimeError(f"request {e} has a grammar bitmask but does not sample") from e
+        expected = (sum(c for _, c in spans), self.num_words)
         if msg.step_id != step_id or bitmask.shape != expected or bitmask.dtype != np.int32:
             raise RuntimeError(
                 f"grammar bitmask of step {msg.step_id}, {bitmask.dtype} {bitmask.shape}, "
-                f"for step {step_id} with {len(req_ids)} constrained rows of "
+                f"for step {step_id} with {expected[0]} constrained rows of "
                 f"{self.num_words} int32 words"
             )
-        try:
-            rows = [sample_rows[r] for r in req_ids]
-        except KeyError as e:
-            raise RuntimeError(f"request {e} has a grammar bitmask but does not sample") from e
+        rows = [row for first, count in spans for row in range(first, first + count)]
         return self.stage(bitmask, np.array(rows, dtype=np.int64))
 
     def stage(self, bitmask: np.ndarray, rows: np.ndarray) -> GrammarMask:

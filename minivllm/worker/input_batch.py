@@ -8,6 +8,11 @@ built from Python lists on the hot path.
 A sampled token is counted in `num_tokens` when its step is launched, but its id reaches the
 host (`num_host_tokens`) only when the step's output has been copied back: until then the
 next step reads it from the device (the runner's in-flight gather).
+
+A step that verifies draft tokens writes them after the request's tokens (where the accepted
+ones stay) and returns an unknown number of tokens: its request's `num_tokens` is settled by
+the scheduler's next diff for it (the engine-core schedules nothing more of the request
+before it has the step's tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class RequestState:
     num_blocks: int
     params: SamplingParams
     last_sample: tuple[object, int] | None = None  # (step output, row in its sampled ids)
+    unsettled: bool = False  # a step verified drafts of it: num_tokens waits for the next diff
 
 
 class InputBatch:
@@ -104,6 +110,13 @@ class InputBatch:
                 self.block_table[state.row, state.num_blocks : end] = new_blocks
                 state.num_blocks = end
             state.num_computed_tokens = num_computed
+            if state.unsettled:  # every token but the last one has KV: a decode's state
+                state.num_tokens = num_computed + 1
+                state.unsettled = False
+
+    def write_drafts(self, state: RequestState, draft_ids: list[int]) -> None:
+        """Put a step's draft tokens after the request's tokens (the step's input ids)."""
+        self.token_ids[state.row, state.num_tokens : state.num_tokens + len(draft_ids)] = draft_ids
 
     def remove(self, req_id: str) -> RequestState | None:
         state = self.requests.pop(req_id, None)

@@ -34,9 +34,9 @@ class KVCacheShape:
 
 
 def profiled_num_blocks(
-    shape: KVCacheShape, device: torch.device, gpu_memory_utilization: float, reserve_share: float
+    block_bytes: int, device: torch.device, gpu_memory_utilization: float, reserve_share: float
 ) -> int:
-    """Blocks that fit in `gpu_memory_utilization` of the device after a profile run (the
+    """Blocks of `block_bytes` (every cache's share of a block, over all layers) that fit in `gpu_memory_utilization` of the device after a profile run (the
     caller's, right before: its peak is the weights plus the largest step's activations)
     and `reserve_share` of the device kept for CUDA graphs. The utilization is this
     engine's share of the device (engine-cores that share a GPU each take their own
@@ -47,7 +47,7 @@ def profiled_num_blocks(
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     reserve = reserve_share * total
     budget = min(total * gpu_memory_utilization, total - used_by_others) - peak - reserve
-    num = int(budget // shape.block_bytes)
+    num = int(budget // block_bytes)
     if num <= 0:
         raise RuntimeError(
             f"no memory left for the KV cache: the model's peak use is {peak / 2**30:.2f} GiB "
@@ -59,6 +59,6 @@ def profiled_num_blocks(
         peak / 2**30,
         used_by_others / 2**30,
         reserve / 2**30,
-        num * shape.block_bytes / 2**30,
+        num * block_bytes / 2**30,
     )
     return num

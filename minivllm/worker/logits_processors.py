@@ -12,6 +12,12 @@ mask). Each step `prepare` turns the settings of the rows that sample into a `St
 (a grammar's token bitmask would go first). Every step is -inf masks or additions on
 float32 logits, run only when some row of the step uses it.
 
+A step verifying draft tokens samples a row per position after the request's last token
+and each draft: row j's output so far ends with the first j drafts. Its length (min_tokens)
+and its tokens (bad words: the drafts are in the host's token ids) are the row's; the
+penalties count the drafts too, as a correction at the few (row, draft token) pairs on top
+of the request's device counts (`DraftPenalties`).
+
 Bad words ban the last token of a word whose other tokens end the output. The host knows
 every output token but the newest, which may still be on the device (async scheduling): it
 matches all but the last token of the prefix and leaves that one to the device, which
@@ -52,6 +58,30 @@ class Penalties:
 
 
 @dataclass
+class DraftPenalties:
+    """Penalty counts that verification rows add for the drafts before them: each (sampling
+    row, token) pair once, with how many of its drafts are that token."""
+
+    rows: torch.Tensor  # int64 [P]
+    tokens: torch.Tensor  # int64 [P]
+    extra: torch.Tensor  # int32 [P]
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[self.rows, self.tokens].float()
+
+    def correct(self, processed: torch.Tensor, before: torch.Tensor, p: Penalties) -> None:
+        """Write over the pairs of `processed` their penalized values with the extra
+        counts, from their values `before` the penalties."""
+        rows, tokens = self.rows, self.tokens
+        batch_rows = p.batch_rows[rows]
+        count = p.output_counts[batch_rows, tokens] + self.extra  # > 0
+        repetition = p.repetition[rows]
+        x = before * torch.where(before > 0, 1.0 / repetition, repetition)
+        x = x - p.frequency[rows] * count - p.presence[rows]
+        processed[rows, tokens] = x
+
+
+@dataclass
 class StepProcessing:
     """One step's logits processing. Index tensors name sampling rows (`rows`) and tokens."""
 
@@ -60,6 +90,7 @@ class StepProcessing:
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, stop tokens
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, tokens, bias
     penalties: Penalties | None = None
+    draft_penalties: DraftPenalties | None = None  # verification rows' drafts, counted
     last_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # input ids, logits indices
 
     @property
@@ -89,18 +120,22 @@ class StepProcessing:
             rows, tokens, bias = self.logit_bias
             processed.index_put_((rows, tokens), bias, accumulate=True)
         if self.penalties is not None:
-            p = self.penalties
+            p, drafts = self.penalties, self.draft_penalties
+            before = None if drafts is None else drafts.gather(processed)
             state = (p.batch_rows, p.repetition, p.frequency, p.presence)
             processed = apply_penalties(
                 processed, *state, p.output_counts, p.prompt_mask, in_place=processed is not logits
             )
+            if drafts is not None:
+                drafts.correct(processed, before, p)
         return processed
 
-    def record_sampled(self, sampled: torch.Tensor) -> None:
-        """Count this step's sampled tokens into the penalized requests' output counts."""
+    def record_sampled(self, sampled: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Count this step's sampled tokens (those `kept`, if given: a verification's) into
+        the penalized requests' output counts."""
         p = self.penalties
         if p is not None:
-            ones = torch.ones_like(sampled, dtype=torch.int32)
+            ones = torch.ones_like(sampled, dtype=torch.int32) if kept is None else kept.int()
             p.output_counts.index_put_((p.batch_rows, sampled), ones, accumulate=True)
 
 
@@ -187,10 +222,12 @@ class LogitsProcessors:
         batch: InputBatch,
         host: HostViews,
         dev: DeviceViews,
+        drafts_before: list[list[int]] | None = None,
     ) -> StepProcessing | None:
         """The processing of the step whose sampling rows are the batch `rows` (their
-        requests' lengths before this sample in `num_tokens`); None when no row uses any.
-        Fills the penalty lanes of the step buffers before they are copied."""
+        requests' lengths before this sample in `num_tokens`; with draft tokens, each row's
+        drafts before it in `drafts_before`); None when no row uses any. Fills the penalty
+        lanes of the step buffers before they are copied."""
         if not self.active:
             return None
         step = StepProcessing()
@@ -234,7 +271,24 @@ class LogitsProcessors:
                 self.output_counts,
                 self.prompt_mask,
             )
+            if drafts_before is not None:
+                step.draft_penalties = self._draft_penalties(rows, drafts_before)
         return None if step.empty else step
+
+    def _draft_penalties(
+        self, rows: np.ndarray, drafts_before: list[list[int]]
+    ) -> DraftPenalties | None:
+        pairs: list[tuple[int, int, int]] = []
+        for j, (row, drafts) in enumerate(zip(rows.tolist(), drafts_before, strict=True)):
+            if drafts and self.penalized[row]:
+                counts: dict[int, int] = {}
+                for token in drafts:
+                    counts[token] = counts.get(token, 0) + 1
+                pairs.extend((j, token, c) for token, c in counts.items())
+        if not pairs:
+            return None
+        rows_, tokens, extra = np.array(pairs, dtype=np.int64).T
+        return DraftPenalties(self._up(rows_), self._up(tokens), self._up(extra.astype(np.int32)))
 
     def _bad_words(
         self,

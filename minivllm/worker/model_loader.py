@@ -43,13 +43,16 @@ def load_model(
     with torch.no_grad():
         if model_config.load_format == "dummy":
             if isinstance(model, CausalLM):
-                model.load_weights(dummy_weights(model_config, variant, device, dtype))
+                weights = dummy_weights(model_config, variant, device, dtype, model.quant_config)
+                model.load_weights(weights)
         elif model_config.load_format == "auto":
             model.load_weights(iter_safetensors(model_config.model))
         elif model_config.load_format == "gguf":
             model.load_weights(iter_gguf_weights(model_config.model, model_config.hf_config))
         else:
             raise ValueError(f"unknown load_format {model_config.load_format!r}")
+    if device.type == "cuda" and model_config.quantization is not None:
+        torch.cuda.empty_cache()  # the checkpoint layouts converted away, for the KV cache
     return model.eval()
 
 

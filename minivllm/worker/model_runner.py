@@ -11,6 +11,12 @@ ids back. Nothing on this path waits for the GPU, so with async scheduling the h
 step N+1 while the GPU runs step N; and the engine-core fills a step's grammar bitmask while
 the GPU runs its forward. A step without structured outputs needs no bitmask: the worker
 makes both calls at once.
+
+Speculative decoding: a request with draft tokens (`scheduled_spec_decode_tokens`) runs its
+last token and the drafts, samples a row after each, and the sampler keeps the accepted
+drafts and one more token (spec_decode/verification.py). Such a step first takes every
+earlier step's tokens onto the host (the engine-core has them already, so this does not
+wait): the rows after the drafts read the whole output on the host.
 """
 
 from __future__ import annotations
@@ -25,8 +31,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
-from minivllm.worker.attention.cascade import use_cascade
-from minivllm.worker.cuda_graphs import RunnerGraphs
+from minivllm.worker.cuda_graphs import RunnerGraphs, static_forward
 from minivllm.worker.grammar_bitmask import GrammarBitmasks, GrammarMask
 from minivllm.worker.input_batch import InputBatch, RequestState
 from minivllm.worker.kv_cache_memory import KVCacheShape, profiled_num_blocks
@@ -37,13 +42,11 @@ from minivllm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.worker.step_buffers import StepBuffers
 from minivllm.worker.step_inputs import (
     ExecutedStep,
-    ForwardPlan,
-    SamplingInputs,
-    ScheduledBatch,
     StepInputs,
     order_requests,
+    plan_forward,
+    prepare_sampling,
     write_in_flight,
-    write_logits_rows,
     write_token_inputs,
 )
 
@@ -74,6 +77,9 @@ class ModelRunner:
         max_len = config.model.max_model_len
         self.max_blocks_per_req = -(-max_len // self.block_size)
         max_seqs = config.scheduler.max_num_seqs
+        spec = config.speculative
+        # the most rows a step samples: each request's last token and its drafts
+        self.max_sample_rows = max_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.long_rope_threshold = config.scheduler.long_rope_threshold
         self.batch = InputBatch(
             max_seqs, max_len, self.max_blocks_per_req, self.long_rope_threshold
@@ -84,6 +90,7 @@ class ModelRunner:
             self.max_blocks_per_req,
             self.block_size,
             device,
+            self.max_sample_rows,
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -92,15 +99,29 @@ class ModelRunner:
         self.attn_backend_name, self.attn_backend = get_attention_backend(
             device.type, block_size=self.block_size, head_dim=m.head_dim, dtype=self.kv_shape.dtype
         )
+        self.drafter = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft_model":
+            from minivllm.worker.spec_decode.draft_model import DraftModel
+
+            self.drafter = DraftModel(config, device, tp, self.dtype)
         self.use_graphs = (
             device.type == "cuda"
             and not config.device.enforce_eager
             and self.attn_backend_name in _GRAPH_SAFE_BACKENDS
+            and (self.drafter is None or self.drafter.attn_backend_name == self.attn_backend_name)
+        )
+        # windowed layers attend their own window only: cascade needs a layer without one
+        self.cascade = (
+            self.attn_backend_name == "triton"
+            and not config.model.disable_cascade_attn
+            and config.model.kv_sliding_window is None
         )
         # steps of a few short prompts (a batch-1 TTFT) replay graphs too: the Triton prefill
         # kernel's grid is fixed by the padded shape; other backends run prompts eagerly
-        self.cascade = self.attn_backend_name == "triton" and not config.model.disable_cascade_attn
-        self.graphs = RunnerGraphs(max_seqs, self.cascade, self.attn_backend_name == "triton")
+        prefill_graphs = self.attn_backend_name == "triton"
+        # steps of requests verifying draft tokens replay graphs of 1 + k tokens per request
+        self.verify_width = 1 + spec.num_speculative_tokens if spec is not None else 0
+        self.graphs = RunnerGraphs(max_seqs, self.cascade, prefill_graphs, self.verify_width)
         # FP8 scales wait for the first prefill unless the checkpoint has them (load_model)
         self._calculate_kv_scales = False
         self.sampler = Sampler(config.model.logprobs_mode)
@@ -118,6 +139,8 @@ class ModelRunner:
             self.config.model, self.device, self.tp, self.attn_backend,
             expert_parallel=self.config.parallel.enable_expert_parallel,
         )  # fmt: skip
+        if self.drafter is not None:
+            self.drafter.load_model()
         cache = self.config.cache
         if cache.fp8_kv:
             from_checkpoint = getattr(self.model, "has_kv_scales", False)
@@ -130,10 +153,13 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: an override, a fixed byte budget, or the profiled free memory."""
         cache = self.config.cache
+        block_bytes = self.kv_shape.block_bytes
+        if self.drafter is not None:  # the draft's cache has the same blocks
+            block_bytes += self.drafter.kv_shape.block_bytes
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if cache.kv_cache_memory_bytes is not None:
-            num = cache.kv_cache_memory_bytes // self.kv_shape.block_bytes
+            num = cache.kv_cache_memory_bytes // block_bytes
             # no need to hold more than every sequence at full length
             cap = self.config.scheduler.max_num_seqs * self.max_blocks_per_req + 1
             return int(min(num, cap))
@@ -142,7 +168,7 @@ class ModelRunner:
         self.profile_run()
         reserve = _GRAPH_RESERVE if self.use_graphs else 0.0
         utilization = cache.gpu_memory_utilization
-        return profiled_num_blocks(self.kv_shape, self.device, utilization, reserve)
+        return profiled_num_blocks(block_bytes, self.device, utilization, reserve)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -154,16 +180,22 @@ class ModelRunner:
         meta = self.buffers.one_prompt(np.zeros(n, dtype=np.int64))
         d = self.buffers.dev
         hidden = self.model(d.input_ids[:n], d.positions[:n], caches, meta)
-        rows = min(n, sched.max_num_seqs)
+        rows = min(n, self.max_sample_rows)
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
+        if self.drafter is not None:
+            caches = self.drafter.kv_shape.allocate(-(-n // self.block_size), self.device)
+            self.drafter.model(d.input_ids[:n], d.positions[:n], caches, meta)
+            del caches
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, capture the decode graphs over it, warm the allocator."""
         start = time.perf_counter()
         m = self.config.model
         self.kv_caches = self.kv_shape.allocate(num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         max_conc = num_blocks * self.block_size / m.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %.2f GiB); max concurrency at %d tokens "
@@ -178,12 +210,22 @@ class ModelRunner:
         self.startup_s["KV cache"] = time.perf_counter() - start
         start = time.perf_counter()
         if self.use_graphs:
-            sched = self.config.scheduler
+            sched, max_len = self.config.scheduler, m.max_model_len
             with torch.inference_mode():
+                forward = static_forward(self.model, self.kv_caches, self.buffers, max_len)
                 self.graphs.capture(
-                    self._static_forward, self.buffers.dev, sched.max_num_seqs,
-                    sched.max_num_batched_tokens,
-                )  # fmt: skip
+                    forward, self.buffers.dev, sched.max_num_seqs, sched.max_num_batched_tokens
+                )
+                if self.drafter is not None:  # its own graphs of every kind, in the same pool
+                    drafter = self.drafter
+                    drafter.graphs = self.graphs.like()
+                    forward = static_forward(
+                        drafter.model, drafter.kv_caches, self.buffers, max_len
+                    )
+                    drafter.graphs.capture(
+                        forward, self.buffers.dev, sched.max_num_seqs,
+                        sched.max_num_batched_tokens, self.graphs.decode.pool,
+                    )  # fmt: skip
             self.startup_s["CUDA graphs"] = time.perf_counter() - start
         elif self.device.type == "cuda":
             why = (
@@ -199,23 +241,6 @@ class ModelRunner:
             self.profile_run()
             self.startup_s["warm-up"] = time.perf_counter() - start
 
-    def _static_forward(
-        self, num_tokens: int, num_seqs: int, num_decodes: int, cascade: bool = False
-    ) -> torch.Tensor:
-        """The forward of a step of this shape over the static device buffers, as a graph
-        captures it: every length is read on the device, only the shapes are fixed."""
-        meta = self.buffers.attention_metadata(
-            num_tokens,
-            num_seqs,
-            num_decodes,
-            max_query_len=1 if num_decodes else num_tokens,
-            max_seq_len=self.config.model.max_model_len,
-            with_host_copies=False,
-            cascade=cascade,
-        )
-        d = self.buffers.dev
-        return self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], self.kv_caches, meta)
-
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Launch one step: its forward and the LM head over the rows that sample. The step
@@ -229,9 +254,11 @@ class ModelRunner:
         self._executed = step
         if so.total_num_scheduled_tokens == 0:
             return
-        self._apply_older_outputs()
+        self._apply_older_outputs(keep_newest=not so.scheduled_spec_decode_tokens)
         step.inputs = inputs = self._prepare_inputs(so)
         step.req_ids = [s.req_id for s in inputs.requests]
+        if self.drafter is not None and inputs.sampling is not None:
+            self._attach_draft_probs(step)
         hidden = self._forward(inputs)
         if self.batch.num_prompt_logprobs:
             step.prompt_logprobs = compute_prompt_logprobs(
@@ -244,6 +271,10 @@ class ModelRunner:
             if not self._draws_on_lm_head(step):
                 # queued now, ahead of the wait for a grammar bitmask
                 step.logits = self.model.compute_logits(step.hidden)
+        if self.drafter is not None:  # the draft's KV of the same tokens
+            plan, d = inputs.plan, self.buffers.dev
+            graph = None if plan.graphs is None else (plan.graphs.name, plan.num_tokens)
+            self.drafter.forward(d.input_ids, d.positions, inputs.attn, graph)
 
     @torch.inference_mode()
     def sample_tokens(
@@ -260,18 +291,29 @@ class ModelRunner:
             return AsyncModelRunnerOutput(
                 step.step_id, step.req_ids, [], None, step.prompt_logprobs
             )
+        verification = sampling.verification
         if step.logits is None:
             m = sampling.metadata
-            result = SamplerOutput(
-                self.model.lm_head.draw(step.hidden, m.temperature, m.seeds, m.positions)
-            )
+            drawn = self.model.lm_head.draw(step.hidden, m.temperature, m.seeds, m.positions)
+            result = SamplerOutput.of(drawn, verification)
         else:
-            result = self.sampler(step.logits, sampling.metadata, grammar)
+            result = self.sampler(step.logits, sampling.metadata, grammar, verification)
+        drafts = None
+        if self.drafter is not None:
+            num_tokens = None if result.verified is None else result.verified.num_tokens
+            drafts = self.drafter.propose(
+                self.buffers, self.batch, [s.req_id for s in sampled_states], sampling.metadata,
+                np.cumsum(sampling.num_rows) - sampling.num_rows, result.sampled, num_tokens,
+            )  # fmt: skip
         out = AsyncModelRunnerOutput(
-            step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs
-        )
-        for j, s in enumerate(sampled_states):
-            s.num_tokens += 1
+            step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs,
+            None if verification is None else sampling.num_rows, drafts,
+        )  # fmt: skip
+        for j, (s, num_rows) in enumerate(zip(sampled_states, sampling.num_rows, strict=True)):
+            if num_rows > 1:
+                s.unsettled = True  # how many tokens it got: the next diff says
+            else:
+                s.num_tokens += 1
             s.last_sample = (out, j)
         self._pending.append((out, sampled_states))
         return out
@@ -287,11 +329,21 @@ class ModelRunner:
     def _draws_on_lm_head(self, step: ExecutedStep) -> bool:
         """Whether each rank draws on its slice of the vocabulary (tensor parallelism, and no
         row needs more of its logits than the best token: no gather, no sampler)."""
+        verification = step.sampling.verification
         return (
             self.tp.size > 1
             and not step.structured_req_ids
             and not step.sampling.metadata.needs_whole_rows
+            and (verification is None or verification.draft_probs is None)
         )
+
+    def _attach_draft_probs(self, step: ExecutedStep) -> None:
+        """The draft distributions of the drafts the step verifies (drawn at temperature > 0)."""
+        verification = step.sampling.verification
+        if verification is not None:
+            states = step.sampling_requests
+            temperature = self.batch.temperature[[s.row for s in states]].tolist()
+            self.drafter.attach_probs(verification, [s.req_id for s in states], temperature)
 
     def _stage_grammar(
         self, step: ExecutedStep, msg: GrammarBitmask | None, sampled: list[RequestState]
@@ -306,9 +358,11 @@ class ModelRunner:
             return None
         if self.grammar_bitmasks is None:
             self.grammar_bitmasks = GrammarBitmasks(
-                self.config.scheduler.max_num_seqs, self.config.model.vocab_size, self.device
+                self.max_sample_rows, self.config.model.vocab_size, self.device
             )
-        sample_rows = {s.req_id: j for j, s in enumerate(sampled)}
+        counts = step.sampling.num_rows.tolist()
+        firsts = np.cumsum([0, *counts[:-1]]).tolist()
+        sample_rows = {s.req_id: (f, c) for s, f, c in zip(sampled, firsts, counts, strict=True)}
         return self.grammar_bitmasks.stage_step(
             msg, step.step_id, step.structured_req_ids, sample_rows
         )
@@ -318,6 +372,8 @@ class ModelRunner:
             state = self.batch.remove(req_id)
             if state is not None:
                 self.processors.remove(state.row)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in so.scheduled_new_reqs:
             row = self.batch.add(new).row
             self.processors.add(
@@ -325,25 +381,33 @@ class ModelRunner:
                 new.min_tokens_stop_ids,
             )  # fmt: skip
         self.batch.update(so.scheduled_cached_reqs)
+        for req_id, draft_ids in so.scheduled_spec_decode_tokens.items():
+            self.batch.write_drafts(self.batch.requests[req_id], draft_ids)
 
-    def _apply_older_outputs(self) -> None:
-        """Write the sampled ids of every launched step but the newest into the host token
-        ids. Those steps ran before the newest one, so this seldom waits; the newest one's
-        ids are read on the device by the step about to launch."""
-        while len(self._pending) > 1:
+    def _apply_older_outputs(self, keep_newest: bool = True) -> None:
+        """Write the sampled ids of every launched step but the newest (`keep_newest`) into
+        the host token ids. Those steps ran before the newest one, so this seldom waits; the
+        newest one's ids are read on the device by the step about to launch."""
+        while len(self._pending) > keep_newest:
             out, states = self._pending.popleft()
-            for s, tok in zip(states, out.token_ids(), strict=True):
+            for s, tokens in zip(states, out.token_ids(), strict=True):
                 # a request that finished or was preempted since has a new state (or none)
                 if self.batch.requests.get(s.req_id) is s:
-                    self.batch.append_host_token(s, tok)
+                    for tok in tokens:
+                        self.batch.append_host_token(s, tok)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's inputs, in the step buffers on the device (phases: step_inputs.py)."""
         sched = order_requests(so, self.batch)
-        plan = self._plan_forward(so, sched)
+        # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
+        compute_kv_scales = self._calculate_kv_scales and sched.num_decodes < sched.num_seqs
+        if compute_kv_scales:
+            self._calculate_kv_scales = False
+        graphs = self.graphs if self.use_graphs else None
+        plan = plan_forward(so, sched, graphs, self.cascade, self.block_size, compute_kv_scales)
         h = self.buffers.next_host()
         write_token_inputs(h, sched, plan, self.batch, self.block_size, self.buffers.on_cuda)
-        sampling = self._prepare_sampling(sched)
+        sampling = prepare_sampling(sched, self.batch, self.processors, self.buffers)
         latest = self._pending[-1][0] if self._pending else None
         num_in_flight = write_in_flight(h, sched, latest)
         self.buffers.copy_to_device(plan.num_seqs)
@@ -361,43 +425,3 @@ class ModelRunner:
         )
         attn.compute_kv_scales = plan.compute_kv_scales
         return StepInputs(sched.requests, attn, plan, sampling)
-
-    def _plan_forward(self, so: SchedulerOutput, sched: ScheduledBatch) -> ForwardPlan:
-        """A CUDA graph replay and its padded sizes, or an eager forward."""
-        n, nd = sched.num_seqs, sched.num_decodes
-        cascade = self._cascade_prefix_len(so, sched.computed[:nd], mixed=nd < n)
-        # the first step with prompt tokens sets the FP8 scales (eagerly: its graph has none)
-        compute_kv_scales = self._calculate_kv_scales and nd < n
-        if compute_kv_scales:
-            self._calculate_kv_scales = False
-        graphs, num_tokens, num_seqs = None, sched.total, n
-        if self.use_graphs and not compute_kv_scales:
-            graphs, num_tokens, num_seqs = self.graphs.pick(n, nd, sched.total, bool(cascade))
-        return ForwardPlan(graphs, num_tokens, num_seqs, cascade, compute_kv_scales)
-
-    def _prepare_sampling(self, sched: ScheduledBatch) -> SamplingInputs | None:
-        """The logits rows and sampling parameters of the requests that sample."""
-        req_idx = write_logits_rows(self.buffers.host, sched)
-        if not len(req_idx):
-            return None
-        metadata = SamplingMetadata.prepare(
-            self.batch, self.processors, self.buffers, sched.rows[req_idx], sched.seq_lens[req_idx]
-        )
-        logits_indices = self.buffers.dev.logits_indices[: len(req_idx)]
-        return SamplingInputs(req_idx.tolist(), logits_indices, metadata)
-
-    def _cascade_prefix_len(
-        self, so: SchedulerOutput, computed: np.ndarray, mixed: bool = False
-    ) -> int:
-        """Tokens at the head of every decode row's context that cascade attention should
-        read once this step (0: attend as usual). The blocks held by every running request
-        are whole, cached and computed; the prefix stops at the shortest decode context.
-        With CUDA graphs only pure-decode steps (graph replays) use it: a step with prompt
-        tokens is rare, and would compile kernel variants for its decode count mid-run."""
-        if not (self.cascade and so.num_common_prefix_blocks and len(computed)):
-            return 0
-        if mixed and self.use_graphs:
-            return 0
-        bs = self.block_size
-        prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)
-        return prefix_len if use_cascade(len(computed), prefix_len) else 0

@@ -10,7 +10,9 @@
    penalties, on a float32 copy, each only if some row uses it;
 3. the draw (`ops.sampling.sample`: temperature, min-p, top-k, top-p, greedy or seeded
    random; a Triton kernel on CUDA, its torch reference elsewhere);
-4. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
+4. with draft tokens to verify, which of them the step accepts (spec_decode/verification.py:
+   the rows are the positions after the request's last token and each of its drafts);
+5. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
    and the top-k, from the raw logits, or from what the draw saw (processed modes).
 
 With tensor parallelism every rank gets the gathered logits and samples the whole row. A
@@ -32,6 +34,7 @@ from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, 
 from minivllm.worker.ops.bitmask import apply_token_bitmask
 from minivllm.worker.ops.logprobs import gather_logprobs
 from minivllm.worker.ops.sampling import filtered_scores, sample
+from minivllm.worker.spec_decode.verification import Verification, VerifiedTokens, verify
 from minivllm.worker.step_buffers import StepBuffers
 
 LogprobsTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, logprobs, ranks
@@ -48,9 +51,18 @@ class LogprobsRequest:
 
 @dataclass
 class SamplerOutput:
-    sampled: torch.Tensor  # int64 [N]
+    sampled: torch.Tensor  # int64 [N]: each sampling request's (last) token
     logprobs: LogprobsTensors | None = None  # see gather_logprobs
     logprobs_rows: list[int] | None = None  # the sampling rows of the logprobs; None: all
+    verified: VerifiedTokens | None = None  # a step that verified drafts: all its tokens
+
+    @classmethod
+    def of(cls, sampled: torch.Tensor, verification: Verification | None) -> SamplerOutput:
+        """The output of rows drawn without anything else to do (`ParallelLMHead.draw`)."""
+        if verification is None:
+            return cls(sampled)
+        verified = verify(sampled, verification)
+        return cls(verified.last, verified=verified)
 
 
 @dataclass
@@ -102,10 +114,12 @@ class SamplingMetadata:
         buffers: StepBuffers,
         rows: np.ndarray,
         num_tokens: np.ndarray,
+        drafts_before: list[list[int]] | None = None,
     ) -> SamplingMetadata:
         """Write the sampling rows' parameters into the step buffers (before they are copied)
         and describe the step: `rows` are the sampling rows' persistent-batch rows,
-        `num_tokens` their requests' lengths before this sample."""
+        `num_tokens` their requests' lengths before this sample (with draft tokens verified,
+        each row's drafts before it are `drafts_before`)."""
         n = len(rows)
         h = buffers.host
         h.temperature[:n] = batch.temperature[rows]
@@ -114,7 +128,7 @@ class SamplingMetadata:
         h.min_p[:n] = batch.min_p[rows]
         h.seeds[:n] = batch.seeds[rows]
         h.sample_positions[:n] = num_tokens
-        processing = processors.prepare(rows, num_tokens, batch, h, buffers.dev)
+        processing = processors.prepare(rows, num_tokens, batch, h, buffers.dev, drafts_before)
         logprobs = None
         num_logprobs = batch.num_logprobs[rows] if batch.num_with_logprobs else None
         asking = () if num_logprobs is None else np.flatnonzero(num_logprobs != NO_LOGPROBS)
@@ -152,10 +166,16 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(
-        self, logits: torch.Tensor, meta: SamplingMetadata, grammar: GrammarMask | None = None
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        grammar: GrammarMask | None = None,
+        verification: Verification | None = None,
     ) -> SamplerOutput:
         """The sampled ids (and logprobs) on the device for the logits [N, V] of the sampling
-        rows; `grammar`'s bitmask is applied to its rows in place first."""
+        rows; `grammar`'s bitmask is applied to its rows in place first. With a
+        `verification`, the rows are those of requests verifying drafts too, and the output
+        holds each request's accepted drafts and next token."""
         if grammar is not None:
             apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
         processed = logits if meta.processing is None else meta.processing.apply(logits)
@@ -163,12 +183,18 @@ class Sampler:
         sampled = sample(
             processed, meta.temperature, top_k, top_p, min_p, meta.seeds, meta.positions
         )
+        verified = kept = None
+        row_tokens = sampled
+        if verification is not None:
+            verified = verify(sampled, verification, processed, meta)
+            row_tokens, kept = verified.row_tokens, verified.kept
         if meta.processing is not None:
-            meta.processing.record_sampled(sampled)
+            meta.processing.record_sampled(row_tokens, kept)
+        last = sampled if verified is None else verified.last
         if meta.logprobs is None:
-            return SamplerOutput(sampled)
-        logprobs = self._logprobs(logits, processed, sampled, meta)
-        return SamplerOutput(sampled, logprobs, meta.logprobs.rows_host)
+            return SamplerOutput(last, verified=verified)
+        logprobs = self._logprobs(logits, processed, row_tokens, meta)
+        return SamplerOutput(last, logprobs, meta.logprobs.rows_host, verified)
 
     def _logprobs(
         self,

@@ -33,26 +33,31 @@ Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 @dataclass(frozen=True, slots=True)
 class StepViews(Generic[Array]):
-    """The named views of one step buffer; S = max_num_seqs, T = max_num_batched_tokens.
+    """The named views of one step buffer; S = max_num_seqs, T = max_num_batched_tokens,
+    R = the most sampled rows (S, or S x (1 + k) with k draft tokens per request).
     Sequence-level fields, then token-level ones, the block table last (see _layout)."""
 
     query_start_loc: Array  # int32 [S + 1]
     seq_lens: Array  # int32 [S]
     decode_order: Array  # int32 [S]: decode rows, longest context first
     cascade_prefix_len: Array  # int32 [1]: tokens all decode rows share
-    logits_indices: Array  # int64 [S]: the token rows whose hidden states are sampled
+    logits_indices: Array  # int64 [R]: the token rows whose hidden states are sampled
     # sampling parameters of the rows that sample, in logits order
-    temperature: Array  # float32 [S]
-    top_k: Array  # int32 [S]
-    top_p: Array  # float32 [S]
-    min_p: Array  # float32 [S]
-    seeds: Array  # int64 [S]
-    sample_positions: Array  # int64 [S]
+    temperature: Array  # float32 [R]
+    top_k: Array  # int32 [R]
+    top_p: Array  # float32 [R]
+    min_p: Array  # float32 [R]
+    seeds: Array  # int64 [R]
+    sample_positions: Array  # int64 [R]
     # written only in steps with penalties: the rows' requests' persistent-batch rows
-    batch_rows: Array  # int64 [S]
-    repetition_penalty: Array  # float32 [S]
-    frequency_penalty: Array  # float32 [S]
-    presence_penalty: Array  # float32 [S]
+    batch_rows: Array  # int64 [R]
+    repetition_penalty: Array  # float32 [R]
+    frequency_penalty: Array  # float32 [R]
+    presence_penalty: Array  # float32 [R]
+    # written only in steps that verify draft tokens: the draft each row checks (-1: none),
+    # and where each row's token goes in the [requests, 1 + k] table of the step's tokens
+    draft_ids: Array  # int64 [R]
+    sample_slots: Array  # int64 [R]
     # input ids that are still on the device: input_ids[gather_dst] = prev[gather_src]
     gather_dst: Array  # int64 [S]
     gather_src: Array  # int64 [S]
@@ -66,7 +71,7 @@ HostViews = StepViews[np.ndarray]
 DeviceViews = StepViews[torch.Tensor]
 
 
-def _layout(s: int, t: int, b: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _layout(s: int, t: int, b: int, r: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Each StepViews field's dtype and shape, in buffer order."""
     i32, i64, f32 = torch.int32, torch.int64, torch.float32
     return {
@@ -74,17 +79,19 @@ def _layout(s: int, t: int, b: int) -> dict[str, tuple[torch.dtype, tuple[int, .
         "seq_lens": (i32, (s,)),
         "decode_order": (i32, (s,)),
         "cascade_prefix_len": (i32, (1,)),
-        "logits_indices": (i64, (s,)),
-        "temperature": (f32, (s,)),
-        "top_k": (i32, (s,)),
-        "top_p": (f32, (s,)),
-        "min_p": (f32, (s,)),
-        "seeds": (i64, (s,)),
-        "sample_positions": (i64, (s,)),
-        "batch_rows": (i64, (s,)),
-        "repetition_penalty": (f32, (s,)),
-        "frequency_penalty": (f32, (s,)),
-        "presence_penalty": (f32, (s,)),
+        "logits_indices": (i64, (r,)),
+        "temperature": (f32, (r,)),
+        "top_k": (i32, (r,)),
+        "top_p": (f32, (r,)),
+        "min_p": (f32, (r,)),
+        "seeds": (i64, (r,)),
+        "sample_positions": (i64, (r,)),
+        "batch_rows": (i64, (r,)),
+        "repetition_penalty": (f32, (r,)),
+        "frequency_penalty": (f32, (r,)),
+        "presence_penalty": (f32, (r,)),
+        "draft_ids": (i64, (r,)),
+        "sample_slots": (i64, (r,)),
         "gather_dst": (i64, (s,)),
         "gather_src": (i64, (s,)),
         "input_ids": (i64, (t,)),
@@ -102,8 +109,12 @@ class StepBuffers:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        max_sample_rows: int | None = None,
     ) -> None:
-        self.layout = _layout(max_num_seqs, max(max_num_tokens, max_num_seqs), max_blocks_per_seq)
+        """`max_sample_rows`: the most rows a step samples (default: one per sequence)."""
+        rows = max_sample_rows or max_num_seqs
+        num_tokens = max(max_num_tokens, max_num_seqs)
+        self.layout = _layout(max_num_seqs, num_tokens, max_blocks_per_seq, rows)
         assert list(self.layout) == [f.name for f in fields(StepViews)]
         self.offsets: dict[str, int] = {}
         offset = 0

@@ -4,11 +4,13 @@
 
     order_requests      the scheduled requests, single-token ones (decodes) first, with their
                         lengths (`ScheduledBatch`, on the host);
-    _plan_forward       (the runner) a CUDA graph and its padding, or an eager forward;
-                        cascade attention; FP8 KV scales (`ForwardPlan`);
+    plan_forward        a CUDA graph and its padding, or an eager forward; cascade
+                        attention; FP8 KV scales (`ForwardPlan`);
     write_token_inputs  input ids, positions, slot mapping, query starts, sequence lengths,
                         decode order and block table rows, padding included;
-    write_logits_rows   which requests sample and from which token rows;
+    prepare_sampling    which requests sample and from which token rows (a request that
+                        verifies d draft tokens samples its last d + 1 rows), the draft
+                        each such row checks, and the rows' sampling parameters;
     write_in_flight     the input ids only the device has yet (the newest step's samples):
                         where to gather them from;
 
@@ -24,11 +26,14 @@ import numpy as np
 import torch
 
 from minivllm.protocol.messages import SchedulerOutput
+from minivllm.worker.attention.cascade import use_cascade
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.cuda_graphs import StepGraphs
+from minivllm.worker.cuda_graphs import RunnerGraphs, StepGraphs
 from minivllm.worker.input_batch import InputBatch, RequestState
+from minivllm.worker.logits_processors import LogitsProcessors
 from minivllm.worker.sampler import SamplingMetadata
-from minivllm.worker.step_buffers import HostViews
+from minivllm.worker.spec_decode.verification import Verification
+from minivllm.worker.step_buffers import HostViews, StepBuffers
 
 
 @dataclass
@@ -43,6 +48,8 @@ class ScheduledBatch:
     seq_lens: np.ndarray  # computed + query_lens
     num_tokens: np.ndarray  # known tokens, samples still in flight included
     num_host_tokens: np.ndarray  # of those, the ones whose ids the host has
+    num_drafts: np.ndarray  # draft tokens verified (the last of query_lens)
+    drafts: dict[str, list[int]]  # req_id -> them (SchedulerOutput.scheduled_spec_decode_tokens)
     total: int  # tokens scheduled this step
 
     @property
@@ -63,13 +70,14 @@ class ForwardPlan:
 
 @dataclass
 class SamplingInputs:
-    """Where a step's samples come from: one logits row per sampling request. Several rows
-    per request (the draft positions a verification step samples) would add the count of
-    each request's rows; the rest stays."""
+    """Where a step's samples come from: one logits row per sampling request, or, for one
+    that verifies d draft tokens, d + 1 (its last token's and each draft's)."""
 
     req_idx: list[int]  # the requests that sample (indices into StepInputs.requests), in row order
     logits_indices: torch.Tensor  # int64 [rows] on the device: the token rows sampled
     metadata: SamplingMetadata
+    num_rows: np.ndarray  # int64 [len(req_idx)]: rows of each
+    verification: Verification | None = None  # the drafts checked, if any
 
 
 @dataclass
@@ -108,7 +116,7 @@ class ExecutedStep:
 
 def order_requests(so: SchedulerOutput, batch: InputBatch) -> ScheduledBatch:
     """The scheduled requests, decodes first, and their lengths."""
-    reqs = batch.requests
+    reqs, drafts = batch.requests, so.scheduled_spec_decode_tokens
     decodes, others, other_lens = [], [], []
     for req_id, q in so.num_scheduled_tokens.items():
         if q == 1:
@@ -121,6 +129,9 @@ def order_requests(so: SchedulerOutput, batch: InputBatch) -> ScheduledBatch:
     query_lens = np.ones(n, dtype=np.int64)
     query_lens[nd:] = other_lens
     computed = np.fromiter((s.num_computed_tokens for s in requests), np.int64, n)
+    num_drafts = np.zeros(n, dtype=np.int64)
+    if drafts:
+        num_drafts[nd:] = [len(drafts.get(s.req_id, ())) for s in others]
     return ScheduledBatch(
         requests=requests,
         num_decodes=nd,
@@ -130,8 +141,46 @@ def order_requests(so: SchedulerOutput, batch: InputBatch) -> ScheduledBatch:
         seq_lens=computed + query_lens,
         num_tokens=np.fromiter((s.num_tokens for s in requests), np.int64, n),
         num_host_tokens=np.fromiter((s.num_host_tokens for s in requests), np.int64, n),
+        num_drafts=num_drafts,
+        drafts=drafts,
         total=int(so.total_num_scheduled_tokens),
     )
+
+
+def plan_forward(
+    so: SchedulerOutput,
+    sched: ScheduledBatch,
+    graphs: RunnerGraphs | None,
+    cascade: bool,
+    block_size: int,
+    compute_kv_scales: bool,
+) -> ForwardPlan:
+    """A CUDA graph replay (of `graphs`; None: no graphs) and its padded sizes, or an eager
+    forward; `cascade`: whether cascade attention may run; `compute_kv_scales`: this step
+    sets the FP8 KV scales (eagerly: a graph has none)."""
+    n, nd = sched.num_seqs, sched.num_decodes
+    prefix_len = 0
+    if cascade and so.num_common_prefix_blocks and nd and not (nd < n and graphs is not None):
+        # With graphs only pure-decode steps (replays) use it: a step with prompt tokens is
+        # rare, and would compile kernel variants for its decode count mid-run.
+        prefix_len = _cascade_prefix_len(so, sched.computed[:nd], block_size)
+    picked, num_tokens, num_seqs = None, sched.total, n
+    if graphs is not None and not compute_kv_scales:
+        max_query_len = int(sched.query_lens.max())
+        picked, num_tokens, num_seqs = graphs.pick(
+            n, nd, sched.total, bool(prefix_len), max_query_len
+        )
+    return ForwardPlan(picked, num_tokens, num_seqs, prefix_len, compute_kv_scales)
+
+
+def _cascade_prefix_len(so: SchedulerOutput, computed: np.ndarray, block_size: int) -> int:
+    """Tokens at the head of every decode row's context (their `computed` lengths) that
+    cascade attention should read once this step (0: attend as usual). The blocks held by
+    every running request are whole, cached and computed; the prefix stops at the shortest
+    decode context."""
+    bs = block_size
+    prefix_len = min(so.num_common_prefix_blocks * bs, int(computed.min()) // bs * bs)
+    return prefix_len if use_cascade(len(computed), prefix_len) else 0
 
 
 def write_token_inputs(
@@ -176,23 +225,86 @@ def write_token_inputs(
     h.block_table[:n, :width] = batch.block_table[rows, :width]
 
 
-def write_logits_rows(h: HostViews, sched: ScheduledBatch) -> np.ndarray:
+def prepare_sampling(
+    sched: ScheduledBatch, batch: InputBatch, processors: LogitsProcessors, buffers: StepBuffers
+) -> SamplingInputs | None:
+    """The logits rows and sampling parameters of the requests that sample (with draft
+    tokens, a row per position verified), written into the step buffers."""
+    h, d = buffers.host, buffers.dev
+    req_idx, counts = write_logits_rows(h, sched)
+    if not len(req_idx):
+        return None
+    rows, positions = sched.rows[req_idx], sched.seq_lens[req_idx] - (counts - 1)
+    verification, drafts_before = None, None
+    num_rows = len(req_idx)
+    if sched.drafts:
+        num_rows = int(counts.sum())
+        width = write_verification(h, sched, req_idx, counts)
+        verification = Verification(
+            counts, width, d.draft_ids[:num_rows], d.sample_slots[:num_rows]
+        )
+        offsets = h.sample_slots[:num_rows] % width
+        rows = np.repeat(rows, counts)
+        positions = np.repeat(positions, counts) + offsets
+        if processors.active:  # each row's drafts before it count as its output
+            drafts = h.draft_ids[:num_rows].tolist()
+            starts = (np.arange(num_rows) - offsets).tolist()
+            drafts_before = [
+                drafts[s : s + j] for s, j in zip(starts, offsets.tolist(), strict=True)
+            ]
+    metadata = SamplingMetadata.prepare(batch, processors, buffers, rows, positions, drafts_before)
+    logits_indices = d.logits_indices[:num_rows]
+    return SamplingInputs(req_idx.tolist(), logits_indices, metadata, counts, verification)
+
+
+def write_logits_rows(h: HostViews, sched: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
     """The requests that sample (those whose every known token has KV after this step), as
-    indices into `sched.requests`; their last scheduled token rows go to `logits_indices`."""
+    indices into `sched.requests`, and how many rows each samples (1 + its drafts); their
+    last scheduled token rows go to `logits_indices`, each request's in order."""
     req_idx = np.flatnonzero(sched.seq_lens >= sched.num_tokens)
-    h.logits_indices[: len(req_idx)] = h.query_start_loc[1 : sched.num_seqs + 1][req_idx] - 1
-    return req_idx
+    ends = h.query_start_loc[1 : sched.num_seqs + 1][req_idx]
+    counts = 1 + sched.num_drafts[req_idx]
+    if not sched.drafts:
+        h.logits_indices[: len(req_idx)] = ends - 1
+        return req_idx, counts
+    offsets = _offsets(counts)
+    h.logits_indices[: len(offsets)] = np.repeat(ends - counts, counts) + offsets
+    return req_idx, counts
+
+
+def write_verification(
+    h: HostViews, sched: ScheduledBatch, req_idx: np.ndarray, counts: np.ndarray
+) -> int:
+    """For each sampling row: the draft it checks (-1 for a request's last row) and its
+    slot in the [len(req_idx), width] table of the step's tokens. Returns the width."""
+    width, num_rows = int(counts.max()), int(counts.sum())
+    draft_ids = np.full(num_rows, -1, dtype=np.int64)
+    start = 0
+    for i, c in zip(req_idx.tolist(), counts.tolist(), strict=True):
+        if c > 1:
+            draft_ids[start : start + c - 1] = sched.drafts[sched.requests[i].req_id]
+        start += c
+    h.draft_ids[:num_rows] = draft_ids
+    h.sample_slots[:num_rows] = np.repeat(np.arange(len(counts)) * width, counts) + _offsets(counts)
+    return width
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, one after another."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def write_in_flight(h: HostViews, sched: ScheduledBatch, latest: object) -> int:
-    """The last input token of a decoding request may be the newest step's sample (`latest`,
+    """The last known token of a decoding request may be the newest step's sample (`latest`,
     its output), which only the device has yet: where to gather each such token from
-    (`gather_src`, rows of that step's sampled ids) and to (`gather_dst`, input rows).
-    Returns how many there are."""
-    in_flight = np.flatnonzero(sched.seq_lens > sched.num_host_tokens)
+    (`gather_src`, rows of that step's sampled ids) and to (`gather_dst`, the input row of
+    that token: the request's first, before any drafts). Returns how many there are."""
+    reads_last = sched.seq_lens >= sched.num_tokens
+    in_flight = np.flatnonzero(reads_last & (sched.num_tokens > sched.num_host_tokens))
     for g, i in enumerate(in_flight.tolist()):
         out, j = sched.requests[i].last_sample
         assert out is latest, "an in-flight token of an older step was not applied"
         h.gather_src[g] = j
-    h.gather_dst[: len(in_flight)] = h.query_start_loc[1 : sched.num_seqs + 1][in_flight] - 1
+    last = sched.num_tokens[in_flight] - 1 - sched.computed[in_flight]
+    h.gather_dst[: len(in_flight)] = h.query_start_loc[:-1][in_flight] + last
     return len(in_flight)

@@ -1,13 +1,14 @@
 """Data parallelism: several engine-cores behind one frontend give the tokens one gives,
-share the requests, and a dead one takes only its own requests down."""
+share the requests, and with failover off a dead one takes only its own requests down; the
+OpenAI server over two loses no request when one is killed (failover through the Python
+APIs: test_failover.py; over daemons: test_failover_daemons.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,10 +24,8 @@ from minivllm import (
 )
 from minivllm.exceptions import EngineCoreDeadError
 from tests.hf_reference import parity_prompts
-from tests.process_helpers import spawned_children, wait_for_ipc_socket, wait_gone
+from tests.process_helpers import spawned_children, wait_gone
 from tests.tiny_models import build_null_checkpoint
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +110,9 @@ async def _count(llm: AsyncLLM, rid: str, max_tokens: int, started: asyncio.Even
     return n
 
 
-def test_killed_core_fails_only_its_requests(null_dir: str) -> None:
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=null_dir, data_parallel_size=2))
+def test_killed_core_fails_only_its_requests_with_failover_off(null_dir: str) -> None:
+    args = EngineArgs(model=null_dir, data_parallel_size=2, data_parallel_failover_limit=1)
+    llm = AsyncLLM.from_engine_args(args)
     pids = _engine_pids()
     client = llm.client
 
@@ -142,6 +142,7 @@ def test_killed_core_fails_only_its_requests(null_dir: str) -> None:
     for rid, engine in owner.items():
         if engine == 0:
             assert isinstance(done[rid], EngineCoreDeadError), done[rid]
+            assert "4 of its requests fail: failover is off" in str(done[rid])
         else:
             assert done[rid] == 1500, done[rid]
     assert waited < 5.0
@@ -150,53 +151,7 @@ def test_killed_core_fails_only_its_requests(null_dir: str) -> None:
     assert wait_gone(pids, timeout=15) == []
 
 
-def _daemon(model: str, address: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "engine-core", "--model", model]
-    return subprocess.Popen(
-        [*cmd, "--address", address],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-
-
-def test_connect_to_several_daemons(null_dir: str, tmp_path) -> None:
-    addresses = [f"ipc://{tmp_path}/engine{i}.sock" for i in range(2)]
-    daemons = [_daemon(null_dir, a) for a in addresses]
-    try:
-        for a in addresses:
-            wait_for_ipc_socket(a)
-        llm = AsyncLLM.connect(addresses)
-
-        async def main():
-            return await asyncio.gather(
-                *(_count(llm, f"c{i}", 20, asyncio.Event()) for i in range(6))
-            )
-
-        try:
-            assert uvloop.run(main()) == [20] * 6
-            assert all(b["requests"] >= 2 for b in llm.client.balance())
-        finally:
-            llm.shutdown()
-        sync = LLM.connect(addresses)
-        params = SamplingParams(max_tokens=5, ignore_eos=True)
-        try:
-            outs = sync.generate([[1, 2, 3]] * 4, params)
-            assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 4
-            time.sleep(4)  # idle longer than a silent engine is given: the heartbeats waited
-            assert len(sync.generate([1, 2, 3], params)[0].outputs[0].token_ids) == 5
-        finally:
-            sync.shutdown()
-        assert all(d.poll() is None for d in daemons), "the daemons outlive their clients"
-    finally:
-        for d in daemons:
-            d.send_signal(signal.SIGTERM)
-        for d in daemons:
-            d.wait(timeout=30)
-
-
-def test_openai_server_over_two_engine_cores(null_dir: str, tmp_path) -> None:
+def test_openai_server_over_two_engine_cores_survives_a_killed_one(null_dir: str, tmp_path) -> None:
     import httpx
 
     from minivllm.frontend.server.launch import ServerProcess
@@ -221,5 +176,52 @@ def test_openai_server_over_two_engine_cores(null_dir: str, tmp_path) -> None:
         assert httpx.get(f"{server.url}/health").status_code == 200
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'vllm:generation_tokens_total{engine="0",model_name="null"} 128.0' in metrics
+
+        # SIGKILL an engine-core while 8 completions stream: every one ends whole
+        results = asyncio.run(_stream_and_kill(server.url, lambda: cores[1].kill()))
+        assert [tokens for _, tokens in results] == [1500] * 8
+        assert len({text for text, _ in results}) == 1, "the null model's text, whole"
+        assert httpx.get(f"{server.url}/health").status_code == 503  # one is dead
+        metrics = httpx.get(f"{server.url}/metrics").text
     finally:
         stop_cleanly(server)
+    assert _counter(metrics, "vllm:engine_core_deaths_total") == 1
+    assert _counter(metrics, "vllm:engine_core_requests_moved_total") >= 1
+    assert _counter(metrics, "vllm:engine_core_requests_failed_total") == 0
+
+
+async def _stream_and_kill(url: str, kill) -> list[tuple[str, int]]:
+    """Stream 8 completions of 1500 tokens, call `kill()` once each has a chunk: per
+    completion, its text and its usage's completion tokens."""
+    import httpx
+
+    body = {"model": "null", "prompt": "Hello", "max_tokens": 1500, "temperature": 0.0}
+    body |= {"ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    started = [asyncio.Event() for _ in range(8)]
+
+    async def one(http: httpx.AsyncClient, started: asyncio.Event) -> tuple[str, int]:
+        data, text, tokens = b"", "", 0
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for piece in response.aiter_bytes():
+                # split on bytes: the text may hold characters str.splitlines breaks at
+                *events, data = (data + piece).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(event[len(b"data: ") :])
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    started.set()
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+        return text, tokens
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        calls = asyncio.gather(*(one(http, ev) for ev in started))
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
+        kill()
+        return await calls
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The sum of a counter's series over every engine-core."""
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))

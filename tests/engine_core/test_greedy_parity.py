@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from minivllm.config import EngineArgs
@@ -9,7 +11,7 @@ from minivllm.engine_core.engine_core import EngineCore
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, longrope_prompts, parity_prompts
-from tests.tiny_models import LONGROPE_ORIGINAL_LEN
+from tests.tiny_models import LONGROPE_ORIGINAL_LEN, build_gemma3_multimodal
 
 MAX_TOKENS = 12
 
@@ -111,3 +113,61 @@ def test_longrope_matches_transformers_across_its_switch(
         assert stats["num_preemptions"] == 3
     if engine_kwargs.get("enable_prefix_caching", True):
         assert stats["prefix_cache_hits"] > 0
+
+
+@functools.cache
+def _hf_expected(path: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, hf_greedy(path, parity_prompts(), MAX_TOKENS)))
+
+
+_WINDOW_CASES = [
+    pytest.param(dict(block_size=4), id="block4"),
+    pytest.param(dict(block_size=4, enable_prefix_caching=False), id="no-prefix-cache"),
+    pytest.param(dict(block_size=4, async_scheduling=False), id="sync-scheduling"),
+    pytest.param(dict(block_size=4, max_num_batched_tokens=16), id="chunked-prefill"),
+    pytest.param(dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96), id="preemption"),
+]
+
+
+_EVERY_LAYER_WINDOWED = ("mistral-window", "mixtral-window", "phi3-window")
+
+
+@pytest.mark.parametrize("engine_kwargs", _WINDOW_CASES)
+@pytest.mark.parametrize(
+    "model", ["gemma3", "gemma3-pattern", *_EVERY_LAYER_WINDOWED, "qwen2-window"]
+)
+def test_sliding_window_greedy_matches_transformers(
+    window_models: dict[str, str], model: str, engine_kwargs: dict
+) -> None:
+    """8-token windows under prompts of up to 60 tokens and 12 more generated: Gemma 3's
+    interleaved sliding and global layers, Mistral's, Mixtral's and Phi-3's windowed layers
+    (whose blocks behind the window go back to the pool)."""
+    path = window_models[model]
+    got, stats = run_core(path, parity_prompts(), **engine_kwargs)
+    assert got == [list(t) for t in _hf_expected(path)]
+    if engine_kwargs.get("enable_prefix_caching", True):
+        assert stats["prefix_cache_hits"] > 0
+    if "num_gpu_blocks_override" in engine_kwargs and model not in _EVERY_LAYER_WINDOWED:
+        assert stats["num_preemptions"] >= 2  # a global layer: every block of it is kept
+
+
+def test_windowed_contexts_outgrow_the_kv_cache(window_models: dict[str, str]) -> None:
+    """Mistral's blocks behind its 8-token window go back to the pool, so sequences of 72
+    tokens (18 blocks) run in a cache of 8 blocks, many at once, with the same tokens."""
+    path = window_models["mistral-window"]
+    prompts = parity_prompts()
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 8 * 4
+    kwargs = dict(num_gpu_blocks_override=8, block_size=4, max_num_batched_tokens=16)
+    got, stats = run_core(path, prompts, max_model_len=96, **kwargs)
+    assert got == [list(t) for t in _hf_expected(path)]
+    assert stats["num_preemptions"] > 0  # nine requests took turns in the 8 blocks
+
+
+@pytest.mark.parametrize("hub_layout", [False, True], ids=["saved", "hub-layout"])
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, hub_layout: bool) -> None:
+    """Gemma3ForConditionalGeneration, text prompts: transformers' tokens, from its weights
+    under either naming and from a config that leaves the text model's defaults out."""
+    path = build_gemma3_multimodal(str(tmp_path / "gemma3-mm"), hub_layout=hub_layout)
+    prompts = parity_prompts()
+    got, _ = run_core(path, prompts, block_size=4)
+    assert got == hf_greedy(path, prompts, MAX_TOKENS)

@@ -24,11 +24,13 @@ def make_scheduler(
     max_model_len: int = 64,
     chunked: bool = True,
     caching: bool = True,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs, budget, chunked, max_model_len, async_scheduling=False),
         CacheConfig(block_size, 0.9, None, caching, None),
         num_blocks,
+        sliding_window,
     )
 
 
@@ -301,6 +303,23 @@ def test_a_lone_request_never_outgrows_the_cache():
     sched.add_request(make_request("a", [1] * 10, max_tokens=100))
     results = run_sync(sched, runner)
     assert len(results.tokens["a"]) == 2 and results.final["a"][0] == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("run", [run_sync, run_async])
+def test_under_a_sliding_window_requests_outgrow_the_cache(run: Callable) -> None:
+    """Every layer windowed (5 tokens): a step holds its window's blocks and its new tokens'
+    (at most 4 here), so 60-token sequences (15 blocks) run in 4 blocks, two at once."""
+    sched = make_scheduler(num_blocks=4, budget=8, max_model_len=64, sliding_window=5)
+    runner = FakeRunner()
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, [1] * 30, max_tokens=30))
+    results = run(sched, runner)
+    assert {rid: len(t) for rid, t in results.tokens.items()} == {"a": 30, "b": 30}
+    assert sched.kv_cache_manager.num_free_blocks == 4
+    # a window the cache cannot hold with a step's tokens bounds sequences by the cache
+    wide = make_scheduler(num_blocks=4, budget=8, max_model_len=64, sliding_window=9)
+    with pytest.raises(ValueError, match="needs 5 KV blocks but the cache has only 4"):
+        wide.check_admission("big", 17)
 
 
 def test_abort_mid_prefill_and_while_waiting_returns_every_block():

@@ -238,6 +238,7 @@ def test_grammars_are_cached_by_their_spec_within_a_byte_budget(qwen3_dir, monke
     class Req:
         def __init__(self, i: int) -> None:
             self.request_id = str(i)
+            self.output_token_ids: list[int] = []  # none carried (not a continuation)
 
     reqs = [Req(i) for i in range(4)]
     try:

@@ -74,7 +74,8 @@ def _oversized(max_ids: int) -> list[Frames]:
     return [
         [head, slots, too_many_ids],  # an id frame over max_ids
         [head, slots, b"\x01\x02\x03"],  # an id frame that is not int32
-        [head, msgspec.msgpack.encode([0, 1]), b"", b""],  # two slots for one list
+        [head, msgspec.msgpack.encode([0, 0]), b"", b""],  # two slots for one list
+        [head, msgspec.msgpack.encode([2]), b""],  # a slot past the request's two lists
         [request_with(eos=[0] * (limits.MAX_EOS_TOKEN_IDS + 1))],
         [request_with(sampling_params=too_many_stops)],
         [request_with(sampling_params=[limits.MAX_N + 1])],

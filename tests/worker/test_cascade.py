@@ -30,21 +30,23 @@ def shared_prefix_run(
     from minivllm.engine_core.engine_core import EngineCore
     from minivllm.protocol.messages import EngineCoreRequest
     from minivllm.protocol.sampling_params import SamplingParams
+    from minivllm.worker import model_runner
 
     core = EngineCore(engine_args.create_engine_config())
     runner = core.executor.worker.model_runner
     chosen: list[int] = []
-    decide, replay, replays = runner._cascade_prefix_len, runner.graphs.cascade.replay, []
+    plan_forward, replay, replays = model_runner.plan_forward, runner.graphs.cascade.replay, []
 
-    def spy(so, computed, mixed=False):  # noqa: ANN001, ANN202
-        chosen.append(decide(so, computed, mixed))
-        return chosen[-1]
+    def spy(*args):  # noqa: ANN002, ANN202
+        plan = plan_forward(*args)
+        chosen.append(plan.cascade_prefix_len)
+        return plan
 
     def count(size):  # noqa: ANN001, ANN202
         replays.append(size)
         return replay(size)
 
-    runner._cascade_prefix_len, runner.graphs.cascade.replay = spy, count
+    model_runner.plan_forward, runner.graphs.cascade.replay = spy, count
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     got: dict[str, list[int]] = {}
     try:
@@ -57,6 +59,7 @@ def shared_prefix_run(
                 for o in outs.outputs:
                     got.setdefault(o.request_id, []).extend(o.new_token_ids)
     finally:
+        model_runner.plan_forward = plan_forward
         core.shutdown()
     return [got[str(i)] for i in range(1, len(prompts))], chosen, len(replays)
 

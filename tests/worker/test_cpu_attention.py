@@ -61,3 +61,41 @@ def test_matches_reference(group: int) -> None:
     fast = attend(CpuAttentionBackend(), q, k, v, fast_cache, meta, 0.25)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache)
+
+
+@pytest.mark.parametrize(("group", "window"), [(1, 3), (2, 8), (4, 13), (2, 100)])
+def test_sliding_window_matches_dense_and_reads_nothing_behind_it(group: int, window: int) -> None:
+    """Both backends against dense attention with the window's mask, the block-table entries
+    wholly behind each window pointing at a block of NaNs (blocks the engine freed)."""
+    gen = torch.Generator().manual_seed(10 + window)
+    kv_heads, head_dim, block_size, num_blocks = 2, 16, 4, 80
+    q_lens, ctx = [1, 1, 1, 1, 9, 5, 30], [7, 0, 30, 61, 0, 12, 20]
+    meta = _batch(q_lens, ctx, block_size, num_blocks - 1, gen)  # block 79: never held
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    n = meta.num_tokens
+    q = torch.randn(n, kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen)
+    TorchAttentionBackend.store_kv(k, v, cache, meta.slot_mapping)
+    expected = []
+    for i, (q_len, c) in enumerate(zip(q_lens, ctx, strict=True)):
+        rows = meta.block_table[i, : -(-(c + q_len) // block_size)].long()
+        keys, values = (cache[j, rows].flatten(0, 1)[: c + q_len] for j in (0, 1))
+        query_pos = torch.arange(c, c + q_len)[:, None]
+        key_pos = torch.arange(c + q_len)[None, :]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        start = int(meta.query_start_loc[i])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + q_len].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=0.25,
+            enable_gqa=True,
+        )
+        expected.append(o.transpose(0, 1))
+        meta.block_table[i, : max(0, c - window + 1) // block_size] = num_blocks - 1
+    cache[:, num_blocks - 1] = float("nan")
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+        out = attend(backend, q, k, v, cache.clone(), meta, 0.25, sliding_window=window)
+        torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)

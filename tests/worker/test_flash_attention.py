@@ -31,8 +31,16 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
 SCALE = 0.3  # not the 1/sqrt(head_dim) default, so a dropped softmax_scale shows
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
-    """q [q_len, H, D] against k, v [k_len, Hk, D]; causal aligned to the bottom right."""
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    """q [q_len, H, D] against k, v [k_len, Hk, D]; causal aligned to the bottom right;
+    `window_size` (left, right): the keys each query sees around its own (-1: no bound)."""
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
     k = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -41,6 +49,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     if causal:
         keep = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
         scores = scores.masked_fill(~keep, float("-inf"))
+    left, right = window_size
+    assert right in (-1, 0) and left >= -1
+    if left >= 0:
+        query_pos = torch.arange(k_len - q_len, k_len)[:, None]
+        scores = scores.masked_fill(torch.arange(k_len)[None, :] < query_pos - left, float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num(0.0)  # a fully masked row gives zeros
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
@@ -58,8 +71,9 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.
 
 
 def _flash_attn_with_kvcache(
-    q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale=None, causal=False
-):
+    q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale=None, causal=False,
+    window_size=(-1, -1),
+):  # fmt: skip
     _check_paged(q, k_cache, block_table, q.shape[0])
     assert cache_seqlens.dtype == torch.int32
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -67,13 +81,13 @@ def _flash_attn_with_kvcache(
     for b, length in enumerate(cache_seqlens.tolist()):
         keys = _gather(k_cache, block_table[b], length)
         values = _gather(v_cache, block_table[b], length)
-        out[b] = _attend(q[b], keys, values, scale, causal)
+        out[b] = _attend(q[b], keys, values, scale, causal, window_size)
     return out
 
 
 def _flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-    softmax_scale=None, causal=False, block_table=None,
+    softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
 ):  # fmt: skip
     assert block_table is not None  # the backend always reads the paged cache
     _check_paged(q, k, block_table, len(cu_seqlens_q) - 1)
@@ -87,7 +101,7 @@ def _flash_attn_varlen_func(
         assert q_len <= max_seqlen_q and k_len <= max_seqlen_k
         keys, values = _gather(k, block_table[b], k_len), _gather(v, block_table[b], k_len)
         rows = slice(starts[b], starts[b + 1])
-        out[rows] = _attend(q[rows], keys, values, scale, causal)
+        out[rows] = _attend(q[rows], keys, values, scale, causal, window_size)
     return out
 
 
@@ -152,13 +166,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 100], ids=["full", "window100"])
 @pytest.mark.parametrize("page", [256, 512])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_torch_reference(fake_flash_attn, case: str, page: int) -> None:
+def test_matches_torch_reference(fake_flash_attn, case: str, page: int, window: int | None) -> None:
     q, k, v, cache, meta = _step(CASES[case], page, pad_rows=2, seed=zlib.crc32(case.encode()))
     ref_cache = cache.clone()
-    out = attend(FlashAttentionBackend(), q, k, v, cache, meta, SCALE)
-    expected = attend(TorchAttentionBackend(), q, k, v, ref_cache, meta, SCALE)
+    out = attend(FlashAttentionBackend(), q, k, v, cache, meta, SCALE, sliding_window=window)
+    expected = attend(TorchAttentionBackend(), q, k, v, ref_cache, meta, SCALE, None, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)  # same KV stored

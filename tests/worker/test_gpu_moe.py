@@ -1,6 +1,6 @@
 """Qwen3-MoE and Mixtral on the GPU, through the fused MoE kernels: fp32 greedy tokens equal
-transformers', CUDA graphs (decode and prefill) give the eager tokens in bf16.
-Skipped without a CUDA device (see tests/conftest.py)."""
+transformers', CUDA graphs (decode and prefill) give the eager tokens in bf16, with the
+experts in bf16 and in FP8. Skipped without a CUDA device (see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,20 @@ def test_moe_cuda_graphs_give_the_eager_tokens(moe_dirs: dict[str, str], arch: s
         graphs = generate(moe_dirs[arch], ps, params, **kw)
         eager = generate(moe_dirs[arch], ps, params, enforce_eager=True, **kw)
         assert graphs == eager
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fp8_experts_cuda_graphs_give_the_eager_tokens(
+    moe_dirs: dict[str, str], arch: str, tmp_path
+) -> None:
+    """FP8 experts through the grouped FP8 GEMMs (block scales from a checkpoint written as
+    Qwen3-*-FP8 is, and per-channel scales quantized at load): CUDA graphs replay the
+    eager tokens."""
+    from tests import quantized_models as qm
+
+    block = qm.build_quantized(moe_dirs[arch], str(tmp_path), "fp8")[0]
+    ps = prompts(n=12, seed=8)
+    for path, quant in ((block, {}), (moe_dirs[arch], {"quantization": "fp8"})):
+        kw = dict(dtype="bfloat16", distributed_executor_backend="uni", **quant)
+        graphs = generate(path, ps, GREEDY, **kw)
+        assert graphs == generate(path, ps, GREEDY, enforce_eager=True, **kw), quant

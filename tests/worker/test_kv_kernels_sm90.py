@@ -1,6 +1,7 @@
 """The attention and KV-store kernels compile for an H100 (sm_90) without a GPU, with an FP8
-and a 16-bit cache, cascade on and off; an FP8 cache is converted in registers by the
-hardware's e4m3 conversions (one instruction per pair of values) and its stores saturate."""
+and a 16-bit cache, cascade on and off, with a sliding window and without; an FP8 cache is
+converted in registers by the hardware's e4m3 conversions (one instruction per pair of
+values) and its stores saturate."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _i32(*names: str) -> dict:
     return dict.fromkeys(names, "i32")
 
 
-def _attention(kind: str, fp8: bool, cascade: bool = False) -> str:
+def _attention(kind: str, fp8: bool, cascade: bool = False, window: int = 0) -> str:
     """PTX of the decode, cascade-prefix or prefill kernel at Qwen3-0.6B's head shapes."""
     import triton.language as tl
 
@@ -41,7 +42,7 @@ def _attention(kind: str, fp8: bool, cascade: bool = False) -> str:
         sig |= {"scale_log2": "fp32"} | _i32("stride_q_tok", "stride_q_head", "stride_o_tok")
         sig |= _i32("stride_o_head", "stride_bt") | CACHE_STRIDES
         consts |= dict(BLOCK_G=16, BLOCK_N=128, NUM_SPLITS=1, NUM_PARTS=5 if cascade else 1)
-        consts |= dict(NUM_KV_HEADS=8, HAS_ORDER=True, CASCADE=cascade)
+        consts |= dict(NUM_KV_HEADS=8, HAS_ORDER=True, CASCADE=cascade, WINDOW=window)
     elif kind == "prefix":
         kernel = cascade_mod._cascade_prefix_kernel
         sig = head | {"prefix_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_out_ptr": "*fp32"}
@@ -55,7 +56,7 @@ def _attention(kind: str, fp8: bool, cascade: bool = False) -> str:
         sig |= {"first_seq": "i32", "scale_log2": "fp32"}
         sig |= _i32("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head")
         sig |= _i32("stride_bt") | CACHE_STRIDES
-        consts |= dict(BLOCK_M=64, BLOCK_N=64)
+        consts |= dict(BLOCK_M=64, BLOCK_N=64, WINDOW=window)
     return compile_for_hopper(kernel, sig, consts, 4).asm["ptx"]
 
 
@@ -69,6 +70,16 @@ def test_attention_kernels_dequantize_in_registers(kind: str, cascade: bool) -> 
     assert DEQUANT in ptx and re.search(r"mma\.\S*f32\.f16\.f16", ptx)
     assert "cvt.bf16.f16" not in ptx  # no detour through bfloat16
     assert DEQUANT not in _attention(kind, fp8=False, cascade=cascade)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_windowed_attention_kernels_compile(kind: str, fp8: bool) -> None:
+    """A sliding window (Gemma 3's 1024 tokens) is a compile-time constant of its own
+    variant; without one the kernel is the one it was before windows existed."""
+    windowed = _attention(kind, fp8=fp8, window=1024)
+    assert re.search(r"\b1024\b|\b1023\b", windowed)
+    assert windowed != _attention(kind, fp8=fp8)
 
 
 @pytest.mark.parametrize("store", ["store_kv_cache", "qk_norm_rope"])

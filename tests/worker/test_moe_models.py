@@ -121,7 +121,7 @@ def test_missing_and_unexpected_expert_weights_are_named(
     with pytest.raises(ValueError) as err:
         load(str(tmp_path))
     message = str(err.value)
-    assert "model.layers.2.mlp.experts.w13_weight[(5, 'up')]" in message
+    assert "model.layers.2.mlp.experts.5.up_proj.weight" in message
     assert "model.layers.0.mlp.gate.weight" in message
     assert "unexpected weights: ['model.layers.1.mlp.experts.0.gate_proj.weight']" in message
     tensors["model.layers.2.mlp.experts.16.up_proj.weight"] = torch.zeros(32, 64)  # of 16

@@ -33,10 +33,17 @@ def _kernels() -> dict:
             4,
         ),
         "silu_mul": (
-            activation._silu_and_mul_kernel,
+            activation._act_and_mul_kernel,
             {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_out": "i32"}
             | {"n_cols": "i32"},
-            {"BLOCK": 1024},
+            {"BLOCK": 1024, "GELU": False},
+            4,
+        ),
+        "gelu_mul": (
+            activation._act_and_mul_kernel,
+            {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_out": "i32"}
+            | {"n_cols": "i32"},
+            {"BLOCK": 1024, "GELU": True},
             4,
         ),
         "gemv_silu_mul": (
@@ -68,7 +75,8 @@ def _ptx(name: str, pdl: bool) -> str:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize(
-    "name", ["add_rms_norm", "silu_mul", "gemv_silu_mul", "gemv_rms_norm", "split_kv_merge"]
+    "name",
+    ["add_rms_norm", "silu_mul", "gelu_mul", "gemv_silu_mul", "gemv_rms_norm", "split_kv_merge"],
 )
 def test_with_pdl_a_kernel_waits_and_lets_the_next_launch(name: str) -> None:
     ptx = _ptx(name, pdl=True)

@@ -1,6 +1,6 @@
 """RoPE scaling: our cos/sin tables against transformers' frequencies and attention factor for
 every supported kind, config.json's layouts, the context length each kind gives, and the
-errors a user meets (an unknown kind, a sliding window the model would outgrow); the torch
+errors a user meets (an unknown kind), and Phi-3's sliding window on every layer; the torch
 rotation of a partial rotary against transformers' Phi-3, and llama3's table against its."""
 
 from __future__ import annotations
@@ -110,16 +110,29 @@ def test_config_layouts_and_phi3_spellings() -> None:
         rope_parameters({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
 
 
-def test_settings_per_layer_type() -> None:
-    """transformers 5 nests rope_parameters by layer type where layers differ (Gemma 3):
-    each layer type's rotary reads its own; none named is refused rather than guessed."""
-    hf = {
-        "max_position_embeddings": 256,
+_GEMMA3_ROPE_LAYOUTS = {
+    "nested": {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         },
-    }
+    },
+    # Gemma 3 before transformers 5: the global layers' settings at the top level
+    "top-level": {
+        "rope_theta": 1e6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,
+    },
+}
+
+
+@pytest.mark.parametrize("layout", list(_GEMMA3_ROPE_LAYOUTS))
+def test_settings_per_layer_type(layout: str) -> None:
+    """Gemma 3's sliding and full-attention layers rotate differently: transformers 5 nests
+    rope_parameters by layer type, older configs give the global layers' rope_theta and
+    rope_scaling and the sliding layers' rope_local_base_freq. Each layer type's rotary reads
+    its own; none named is refused rather than guessed."""
+    hf = {"max_position_embeddings": 256, **_GEMMA3_ROPE_LAYOUTS[layout]}
     local = RotaryEmbedding(16, 256, hf, "sliding_attention").cos_sin_cache
     torch.testing.assert_close(local, RotaryEmbedding(16, 256, {"rope_theta": 1e4}).cos_sin_cache)
     full = RotaryEmbedding(16, 256, hf, "full_attention").cos_sin_cache
@@ -127,6 +140,10 @@ def test_settings_per_layer_type() -> None:
     torch.testing.assert_close(full, RotaryEmbedding(16, 256, scaled).cos_sin_cache)
     with pytest.raises(ValueError, match="per layer type .*sliding_attention, full_attention"):
         RotaryEmbedding(16, 256, hf)
+    assert config_dict(transformers.Gemma3TextConfig(**hf))["rope_parameters"] == {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    }  # as transformers reads either layout
     # the scaled length is max_position_embeddings already: not scaled again
     from minivllm.rope_config import max_len_with_scaling
 
@@ -163,22 +180,22 @@ def test_scaling_sets_the_longest_context(
         EngineArgs(model=tiny_models[model], max_model_len=longest + 1).create_engine_config()
 
 
-def test_phi3_sliding_window_loads_only_where_no_sequence_outgrows_it(
-    tiny_models: dict[str, str],
-) -> None:
-    """Phi-3-mini-4k sets a window of 2047: a max_model_len within it loads (the window
-    changes nothing there, as vLLM loads it); a longer one is refused, naming the length
-    that loads."""
-    from minivllm.worker.models.registry import resolve_architecture
+def test_phi3_sliding_window_is_a_window_on_every_layer(tiny_models: dict[str, str]) -> None:
+    """Phi-3-mini-4k sets a window of 2047: every layer attends over it, as transformers
+    does, at any max_model_len (the blocks behind it go back to the pool); a window no
+    sequence outgrows masks nothing."""
 
     def model_config(**kwargs):
         args = EngineArgs(model=tiny_models["phi3"], device="cpu", **kwargs)
         return args.create_engine_config().model
 
-    resolve_architecture(model_config(hf_overrides={"sliding_window": 512}))
-    resolve_architecture(model_config(hf_overrides={"sliding_window": 100}, max_model_len=100))
-    with pytest.raises(ValueError, match=r"sliding-window attention \(100 tokens\).*<= 100"):
-        resolve_architecture(model_config(hf_overrides={"sliding_window": 100}))
+    windowed = model_config(hf_overrides={"sliding_window": 100})
+    assert windowed.max_model_len == 512
+    assert windowed.sliding_windows == (100,) * windowed.num_layers
+    assert windowed.kv_sliding_window == 100
+    within = model_config(hf_overrides={"sliding_window": 100}, max_model_len=100)
+    assert within.sliding_windows == (None,) * within.num_layers
+    assert model_config().kv_sliding_window is None  # its 512, max_model_len 512
 
 
 def test_partial_rotary_matches_transformers() -> None:

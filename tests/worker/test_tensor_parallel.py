@@ -52,6 +52,21 @@ def test_tp2_equals_tp1(tiny_models: dict[str, str], model: str, expert_parallel
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+@pytest.mark.parametrize("model", ["gemma3", "mistral-window"])
+def test_tp2_sliding_windows_equal_transformers(window_models: dict[str, str], model: str) -> None:
+    """8-token windows over TP=2 (Mistral's blocks behind the window freed as it goes)."""
+    path = window_models[model]
+    prompts = parity_prompts()[:5]
+    expected = hf_greedy(path, prompts, 12)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, block_size=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 _TWO_GPUS = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),

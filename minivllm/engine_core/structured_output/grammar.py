@@ -105,7 +105,8 @@ class GrammarCompiler:
 
     def matcher(self, compiled: Any, stop_token_ids: list[int] | None) -> Any:
         """A fresh matcher at the start of `compiled`; `stop_token_ids` end the grammar (the
-        tokenizer's EOS when None)."""
+        tokenizer's EOS when None). It can step back over any number of tokens (the draft
+        tokens of speculative decoding)."""
         return xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 

@@ -5,11 +5,15 @@ request, and each step's token bitmask.
                   a miss is compiled on a thread pool. The request waits in the scheduler's
                   queue meanwhile, skipped, never holding back the requests behind it.
     poll          (each step) requests whose grammar is done get a matcher, and can be
-                  scheduled; one whose grammar failed ends with its error.
+                  scheduled; one whose grammar failed ends with its error. A continuation's
+                  matcher first takes the output it carries.
     accept        (scheduler.update_from_output) a request's new tokens advance its matcher,
                   so the matcher has always taken exactly the output tokens received.
     fill_bitmask  one packed int32 row per constrained request of a step: bit t set = token
-                  t allowed (all set once the grammar has ended).
+                  t allowed (all set once the grammar has ended); with draft tokens, one row
+                  per verified position (the matcher steps over the drafts and back).
+    validate      (speculative decoding) the prefix of a request's draft tokens that its
+                  grammar allows, so that no proposal it refuses is ever verified.
 
 Preemption needs no rollback: a preempted request keeps its output tokens (they are
 recomputed, not resampled), and its matcher has taken exactly those.
@@ -64,6 +68,23 @@ class StructuredOutputRequest:
         """Whether the next token is constrained (the grammar has not ended)."""
         return not self.terminated
 
+    def validate(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` the grammar allows next; the matcher ends where
+        it was."""
+        matcher, taken = self.matcher, 0
+        terminated = self.terminated
+        for token_id in token_ids:
+            if terminated:  # past its end the grammar constrains nothing
+                break
+            if not matcher.accept_token(token_id):
+                token_ids = token_ids[:taken]
+                break
+            taken += 1
+            terminated = matcher.is_terminated()
+        if taken:
+            matcher.rollback(taken)
+        return token_ids
+
     def accept(self, token_ids: list[int]) -> bool:
         """Advance the matcher over `token_ids`; False if the grammar refuses one. Tokens
         after the grammar has ended are not constrained (ignore_eos keeps generating)."""
@@ -78,11 +99,14 @@ class StructuredOutputRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: str | None, vocab_size: int, max_num_seqs: int) -> None:
-        """`tokenizer`: its path (None: the engine has none, structured outputs are refused)."""
+    def __init__(
+        self, tokenizer: str | None, vocab_size: int, max_num_seqs: int, max_spec_tokens: int = 0
+    ) -> None:
+        """`tokenizer`: its path (None: the engine has none, structured outputs are refused);
+        `max_spec_tokens`: the most draft tokens a request verifies in a step."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.max_num_seqs = max_num_seqs
+        self.max_rows = max_num_seqs * (1 + max_spec_tokens)
         self.num_words = -(-vocab_size // 32)
         # two compile threads (one slow grammar leaves the other for the rest), at a lower
         # CPU priority than the busy loop, as are the threads xgrammar starts from them
@@ -170,6 +194,10 @@ class StructuredOutputManager:
                 except Exception as e:
                     self._grammars.pop(state.spec, None)  # a later request may try again
                     failed.append((req_id, f"structured_outputs: {e}"))
+                    continue
+                if not state.accept(request.output_token_ids):
+                    refused = "the grammar refuses the output_token_ids of this continuation"
+                    failed.append((req_id, f"structured_outputs: {refused}"))
             elif now - state.submitted > self.compile_timeout_s:
                 del self.waiting[req_id]
                 late = f"the grammar did not compile within {self.compile_timeout_s:.0f} s"
@@ -184,22 +212,31 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ bitmask
 
-    def fill_bitmask(self, requests: list[Any]) -> np.ndarray:
+    def fill_bitmask(
+        self, requests: list[Any], drafts: list[list[int]] | None = None
+    ) -> np.ndarray:
         """The token bitmask rows of `requests` (engine_core Requests, or None for one that
-        ended since its step was scheduled: any token, the step's sample is dropped)."""
+        ended since its step was scheduled: any token, the step's sample is dropped): one
+        per request, or with `drafts` (each request's draft tokens) 1 + len(drafts) per
+        request, row j the mask after its first j drafts."""
         xgr = xgrammar()
         if self._bitmask is None:
-            self._bitmask = np.empty((self.max_num_seqs, self.num_words), dtype=np.int32)
+            self._bitmask = np.empty((self.max_rows, self.num_words), dtype=np.int32)
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
-        bitmask = self._bitmask[: len(requests)]
+        counts = [1] * len(requests) if drafts is None else [1 + len(d) for d in drafts]
+        bitmask = self._bitmask[: sum(counts)]
         matchers, rows = [], []
+        row = 0
         for i, request in enumerate(requests):
             state = None if request is None else request.structured_output
             if state is None or state.terminated:
-                bitmask[i] = -1
+                bitmask[row : row + counts[i]] = -1
+            elif counts[i] > 1:
+                _fill_over_drafts(state, drafts[i], bitmask, row)
             else:
                 matchers.append(state.matcher)
-                rows.append(i)
+                rows.append(row)
+            row += counts[i]
         if len(matchers) >= _PARALLEL_FILL_ROWS:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         else:
@@ -209,3 +246,23 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill_over_drafts(
+    state: StructuredOutputRequest, drafts: list[int], bitmask: np.ndarray, row: int
+) -> None:
+    """Rows row..row+len(drafts) of `bitmask`: the masks before each draft and after the
+    last (all set past the grammar's end); the matcher is stepped over the drafts (which
+    `validate` let through) and back."""
+    matcher, taken = state.matcher, 0
+    for j in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            bitmask[row + j : row + len(drafts) + 1] = -1
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + j)
+        if j < len(drafts):
+            if not matcher.accept_token(drafts[j]):
+                raise RuntimeError(f"draft token {drafts[j]} refused by its grammar")
+            taken += 1
+    if taken:
+        matcher.rollback(taken)

@@ -1,238 +1,75 @@
-"""Several engine-cores behind one frontend (data parallelism): one client per core, each
-request routed by `DPRouter`, every core's outputs merged into one stream.
-
-A core that dies fails only the requests it held, with `EngineCoreDeadError` (raised once,
-from `get_output`, naming them); the frontend stops routing to it and keeps serving with
-the rest. Only when every core is dead does the client report a dead engine, as a single
-engine-core client does. `check_health` raises while any core is dead, naming it.
+"""Several engine-cores behind one frontend (data parallelism), blocking or asyncio: each
+request routed to one of them, every core's outputs merged into one stream, a dead core's
+requests moved to the others (`dp_group.py` says how). `make_client` and `attach_client`
+pick the client for a config or for the daemons at some addresses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
-from typing import Any, Self
+from typing import Any
 
-import msgspec
 import zmq
 
-from minivllm.config import EngineConfig, ModelConfig
-from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
+from minivllm.config import EngineConfig
+from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
 from minivllm.frontend.clients.core_client import EngineCoreClient
-from minivllm.frontend.clients.core_launch import EngineCoreLaunch
-from minivllm.frontend.clients.dp_placement import engine_configs
-from minivllm.frontend.clients.dp_router import DPRouter
-from minivllm.frontend.clients.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient, _MPClient
-from minivllm.frontend.tokenizer import Tokenizer
+from minivllm.frontend.clients.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient
+from minivllm.frontend.dp_attach import combine
+from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT, EngineCoreGroup
 from minivllm.protocol.auth import CurveClientKeys
-from minivllm.protocol.messages import (
-    EngineCoreInfo,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    SchedulerStats,
-    UtilityMethod,
-)
+from minivllm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, UtilityMethod
 
-DEFAULT_BLOCK_SIZE = 16  # prefix affinity's block when attached to daemons of unknown size
+RESTART_POLL_S = 0.2
 
 
-def _attach_all(
-    client_class,
-    targets: list[str] | list[EngineCoreLaunch],
-    curve: CurveClientKeys | None = None,
-    has_tokenizer: bool = True,
-) -> tuple[list[Any], list[str]]:
-    """Attach a client to each engine-core, spawned (its start-ups overlap the attaches
-    before it) or a daemon at an address; all must serve the same model. If any fails, stop
-    them all and raise, naming the rank. Returns the clients and their input addresses.
-    Unless `has_tokenizer`, the first asks its daemon for the tokenizer."""
-    clients: list[Any] = []
-    try:
-        for i, target in enumerate(targets):
-            try:
-                own = has_tokenizer or i > 0
-                clients.append(client_class(address=target, curve=curve, has_tokenizer=own))
-            except EngineStartupError as e:
-                raise EngineStartupError(f"engine-core {i} of {len(targets)}: {e}") from e
-        addresses = [
-            t if isinstance(t, str) else c.info.input_address
-            for c, t in zip(clients, targets, strict=True)
-        ]
-        _check_same_model([c.info for c in clients], addresses)
-    except BaseException:
-        for c in clients:
-            c.shutdown()
-        for target in targets[len(clients) + 1 :]:
-            if isinstance(target, EngineCoreLaunch):
-                target.cancel()
-        raise
-    return clients, addresses
-
-
-_SAME_MODEL_FIELDS = ("model", "tokenizer", "max_model_len")
-
-
-def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None:
-    first = infos[0]
-    for info, address in zip(infos[1:], addresses[1:], strict=True):
-        if any(getattr(info, f) != getattr(first, f) for f in _SAME_MODEL_FIELDS):
-            raise EngineStartupError(
-                f"the engine-cores at {addresses[0]} and {address} serve different models "
-                f"({first.model!r}, {first.max_model_len} tokens vs {info.model!r}, "
-                f"{info.max_model_len} tokens)"
-            )
-
-
-def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
-    up (so their deltas stay right), the KV cache usage is the mean."""
-    merged = {k: sum(getattr(s, k) for s in stats) for k in SchedulerStats.__struct_fields__}
-    merged["kv_cache_usage"] /= len(stats)
-    return SchedulerStats(**merged)
-
-
-class _DPClient:
-    """What the sync and async data-parallel clients share: the router and the bookkeeping
-    of outputs and deaths. `start` spawns the engine-cores of a config, `connect` attaches
-    to running daemons."""
-
-    clients: list[_MPClient]
-    client_class: type[_MPClient]
-
-    def __init__(self, clients: list[_MPClient], addresses: list[str], block_size: int) -> None:
-        self.clients = clients
-        self.addresses = addresses
-        self.router = DPRouter(len(clients), block_size)
-        self.output_tokens = [0] * len(clients)
-        self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> Self:
-        launches = [EngineCoreLaunch.start(c) for c in engine_configs(config)]
-        return cls(*_attach_all(cls.client_class, launches), config.cache.block_size)
-
-    @classmethod
-    def connect(
-        cls, addresses: list[str], curve: CurveClientKeys | None = None, has_tokenizer: bool = False
-    ) -> Self:
-        clients, bound = _attach_all(cls.client_class, list(addresses), curve, has_tokenizer)
-        return cls(clients, bound, DEFAULT_BLOCK_SIZE)
-
-    def attached_model(self, tokenizer: str | None = None) -> tuple[ModelConfig, Tokenizer | None]:
-        """The daemons' model config and tokenizer (they serve the same model)."""
-        return self.clients[0].attached_model(tokenizer)
-
-    def _account(self, engine: int, out: EngineCoreOutputs) -> None:
-        """Learn from one output batch of `engine` before it is handed on, its scheduler
-        stats replaced by the whole engine's (every live core's latest, merged), so that
-        metrics read one engine however many cores serve."""
-        if out.scheduler_stats is not None:
-            self.router.update_stats(engine, out.scheduler_stats)
-            self.latest_stats[engine] = out.scheduler_stats
-            live = [s for e, s in enumerate(self.latest_stats) if e not in self.router.dead]
-            out.scheduler_stats = merge_scheduler_stats([s for s in live if s is not None])
-        for o in out.outputs:
-            self.output_tokens[engine] += len(o.new_token_ids)
-            if o.finish_reason is not None:
-                self.router.finished(o.request_id)
-
-    def _died(self, engine: int, error: BaseException) -> EngineDeadError | None:
-        """Stop routing to `engine`: the error its requests get (None if already known)."""
-        if engine in self.router.dead:
-            return None
-        lost = self.router.mark_dead(engine, str(error))
-        alive = len(self.router.alive())
-        if not alive:
-            return EngineDeadError(f"every engine-core is dead; the last: {error}")
-        return EngineCoreDeadError(
-            f"engine-core {engine} of {len(self.clients)} died ({alive} still serving): {error}",
-            engine,
-            lost,
-        )
-
-    def _route(self, requests: list[EngineCoreRequest]) -> int:
-        """The core to send `requests` (one user request) to; a core found dead on the way
-        is marked so, and the next one chosen."""
-        prompt = requests[0].prompt_token_ids
-        while True:
-            try:
-                engine = self.router.choose(prompt)
-            except LookupError:
-                raise EngineDeadError(
-                    f"the engine is dead: every engine-core died: {self.router.dead}"
-                ) from None
-            try:
-                self.clients[engine]._check_alive()
-            except EngineDeadError as e:
-                self._on_death(engine, e)
-                continue
-            self.router.assign([r.request_id for r in requests], prompt, engine)
-            return engine
-
-    def _on_death(self, engine: int, error: BaseException) -> None:
-        raise NotImplementedError
-
-    def _forget(self, request_ids: list[str]) -> dict[int, list[str]]:
-        """Stop tracking aborted requests; their ids by the live core that holds them."""
-        by_engine = self.router.by_engine(request_ids)
-        for r in request_ids:
-            self.router.finished(r)
-        return {e: ids for e, ids in by_engine.items() if e not in self.router.dead}
-
-    def health_error(self) -> EngineDeadError | None:
-        """An error naming every dead core, or None while all live."""
-        dead = self.router.dead
-        if not dead:
-            return None
-        named = "; ".join(
-            f"engine-core {e} ({self.addresses[e]}): {why}" for e, why in dead.items()
-        )
-        return EngineDeadError(
-            f"{len(dead)} of {len(self.clients)} engine-cores dead, "
-            f"{len(self.clients) - len(dead)} serving: {named}"
-        )
-
-    def balance(self) -> list[dict[str, Any]]:
-        """Per core: requests routed to it, output tokens it produced, and whether it lives."""
-        return [
-            {
-                "requests": self.router.routed[e],
-                "output_tokens": self.output_tokens[e],
-                "alive": e not in self.router.dead,
-            }
-            for e in range(len(self.clients))
-        ]
-
-    def shutdown(self) -> None:
-        for c in self.clients:  # the engine-cores stop side by side, not one after another
-            if c.launch is not None:
-                c.launch.request_stop()
-        for c in self.clients:
-            with contextlib.suppress(Exception):
-                c.shutdown()
-
-
-class DPSyncClient(_DPClient, EngineCoreClient):
-    """Blocking data-parallel client (`LLM`, `LLMEngine`)."""
+class DPSyncClient(EngineCoreGroup, EngineCoreClient):
+    """Blocking data-parallel client (`LLM`, `LLMEngine`). Deaths are noticed, requests
+    moved and restarted cores attached while `get_output` waits for outputs."""
 
     clients: list[SyncMPClient]
     client_class = SyncMPClient
 
-    def __init__(self, clients: list[SyncMPClient], addresses: list[str], block_size: int) -> None:
-        super().__init__(clients, addresses, block_size)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ready: deque[EngineCoreOutputs] = deque()  # accounted, to hand on first
         self._deaths: deque[EngineDeadError] = deque()
 
     def _on_death(self, engine: int, error: BaseException) -> None:
-        err = self._died(engine, error)
+        if engine in self.router.dead:
+            return  # known: what it sent later is not delivered
+        client = self.clients[engine]
+        while client._pending:  # received before it died: delivered, then continued from
+            out = client._pending.popleft()
+            self._account(engine, out)
+            self._ready.append(out)
+        moves, err = self._died(engine, error)
         if err is not None:
             self._deaths.append(err)
+        try:
+            for request in moves:
+                self._send([request])
+        except EngineDeadError:
+            pass  # every core is dead: `_deaths` holds the error every caller gets
+
+    def _send(self, requests: list[EngineCoreRequest]) -> None:
+        engine = self._route(requests)
+        try:
+            self.clients[engine].add_requests(requests)
+        except EngineDeadError as e:  # it died just now: they move on with its others
+            self._on_death(engine, e)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_requests([request])
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self.clients[self._route(requests)].add_requests(requests)
+        self.failover.track(requests)
+        try:
+            self._send(requests)
+        except BaseException:
+            self._forget([r.request_id for r in requests])
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():
@@ -241,6 +78,8 @@ class DPSyncClient(_DPClient, EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         poller = zmq.Poller()
         while True:
+            if self._ready:
+                return self._ready.popleft()
             alive = self.router.alive()
             for e in alive:
                 pending = self.clients[e]._pending
@@ -253,12 +92,16 @@ class DPSyncClient(_DPClient, EngineCoreClient):
                 if isinstance(err, EngineCoreDeadError):
                     self._deaths.popleft()
                 raise err
+            if self.restarts is not None and self.restarts.pending:
+                self._poll_restarts()
             for e in alive:
                 poller.register(self.clients[e].output_sock, zmq.POLLIN)
             ready = dict(poller.poll(_POLL_MS))
             for e in alive:
                 client = self.clients[e]
                 poller.unregister(client.output_sock)
+                if e in self.router.dead:  # found dead while another one's death was handled
+                    continue
                 try:
                     if client.output_sock in ready:
                         client._recv_one()
@@ -276,22 +119,24 @@ class DPSyncClient(_DPClient, EngineCoreClient):
                 results.append(self.clients[e].call_utility(method))
             except EngineDeadError as err:
                 self._on_death(e, err)
-                if method == UtilityMethod.HEALTH:
-                    raise self.health_error() from err
-        return _combine(method, results)
+        if not self.router.alive():
+            raise self._dead_engine_error()
+        if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
+            raise err
+        return combine(method, results)
 
 
-class DPAsyncClient(_DPClient):
+class DPAsyncClient(EngineCoreGroup):
     """asyncio data-parallel client (`AsyncLLM`): a task per core moves its outputs into
-    one queue."""
+    one queue; continuations are sent by tasks of their own; restarts are polled by one."""
 
     clients: list[AsyncMPClient]
     client_class = AsyncMPClient
 
-    def __init__(self, clients: list[AsyncMPClient], addresses: list[str], block_size: int) -> None:
-        super().__init__(clients, addresses, block_size)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ensure_started(self) -> None:
@@ -300,12 +145,18 @@ class DPAsyncClient(_DPClient):
             return
         for task in self._tasks:  # a previous event loop's, if any
             task.cancel()
+        self._tasks = set()
         self._loop = loop
         self.outputs = asyncio.Queue()
-        self._tasks = [
-            asyncio.create_task(self._pump(e), name=f"engine-core-{e}-outputs")
-            for e in self.router.alive()
-        ]
+        for e in self.router.alive():
+            self._spawn(self._pump(e), f"engine-core-{e}-outputs")
+        if self.restarts is not None:
+            self._spawn(self._restart_loop(), "engine-core-restarts")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _pump(self, engine: int) -> None:
         """Move one core's outputs into the shared queue until it dies."""
@@ -314,19 +165,67 @@ class DPAsyncClient(_DPClient):
         try:
             while True:
                 out = await client.get_output_async()
+                if not self._is_current(engine, client):
+                    return  # its requests have moved on from what was delivered
                 self._account(engine, out)
                 self.outputs.put_nowait(out)
         except EngineDeadError as e:
-            self._on_death(engine, e)
+            if self.clients[engine] is client:
+                self._on_death(engine, e)
 
     def _on_death(self, engine: int, error: BaseException) -> None:
-        err = self._died(engine, error)
+        if engine in self.router.dead:
+            return  # known: what it sent later is not delivered
+        client = self.clients[engine]
+        queue = client.outputs
+        while queue is not None and self.outputs is not None and not queue.empty():
+            out = queue.get_nowait()  # received before it died: delivered first
+            if isinstance(out, BaseException):
+                queue.put_nowait(out)
+                break
+            self._account(engine, out)
+            self.outputs.put_nowait(out)
+        moves, err = self._died(engine, error)
         if err is not None and self.outputs is not None:
             self.outputs.put_nowait(err)
+        if moves:
+            self._spawn(self._send_moves(moves), f"engine-core-{engine}-failover")
+
+    async def _send_moves(self, moves: list[EngineCoreRequest]) -> None:
+        for request in moves:
+            if request.request_id not in self.failover.requests:
+                continue  # aborted since
+            try:
+                await self._send([request])
+            except EngineDeadError as e:  # every core is dead
+                if self.outputs is not None:
+                    self.outputs.put_nowait(e)
+                return
+
+    async def _send(self, requests: list[EngineCoreRequest]) -> None:
+        engine = self._route(requests)
+        try:
+            await self.clients[engine].add_requests_async(requests)
+        except EngineDeadError as e:  # it died just now: they move on with its others
+            self._on_death(engine, e)
+
+    async def _restart_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RESTART_POLL_S)
+            if self.restarts.pending:
+                self._poll_restarts()
+
+    def _revived(self, engine: int) -> None:
+        self._spawn(self._pump(engine), f"engine-core-{engine}-outputs")
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._ensure_started()
-        await self.clients[self._route(requests)].add_requests_async(requests)
+        self.failover.track(requests)
+        try:
+            await self._send(requests)
+        except BaseException:
+            self._forget([r.request_id for r in requests])
+            raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for engine, ids in self._forget(request_ids).items():
@@ -359,24 +258,16 @@ class DPAsyncClient(_DPClient):
                 raise result
             else:
                 ok.append(result)
+        if not self.router.alive():
+            raise self._dead_engine_error()
         if method == UtilityMethod.HEALTH and (err := self.health_error()) is not None:
             raise err
-        return _combine(method, ok)
+        return combine(method, ok)
 
     def shutdown(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         super().shutdown()
-
-
-def _combine(method: UtilityMethod, results: list[Any]) -> Any:
-    """One answer from every live core's."""
-    if method == UtilityMethod.STATS:
-        if not results:
-            return {}
-        merged = merge_scheduler_stats([SchedulerStats(**r) for r in results])
-        return msgspec.structs.asdict(merged)
-    return all(results)
 
 
 def make_client(config: EngineConfig, asynchronous: bool) -> Any:
@@ -391,13 +282,15 @@ def attach_client(
     curve: CurveClientKeys | None,
     asynchronous: bool,
     has_tokenizer: bool = False,
+    failover_limit: int = DEFAULT_FAILOVER_LIMIT,
 ) -> Any:
-    """Attach to one daemon, or route over several; unless `has_tokenizer`, the (first)
-    daemon sends its tokenizer in the handshake."""
+    """Attach to one daemon, or route over several (a request moving to another when its
+    daemon dies, `failover_limit` as `data_parallel_failover_limit`); unless
+    `has_tokenizer`, the (first) daemon sends its tokenizer in the handshake."""
     addresses = [address] if isinstance(address, str) else list(address)
     if len(addresses) == 1:
         single = AsyncMPClient if asynchronous else SyncMPClient
         return single.connect(addresses[0], curve, has_tokenizer)
     return (DPAsyncClient if asynchronous else DPSyncClient).connect(
-        addresses, curve, has_tokenizer
+        addresses, curve, has_tokenizer, failover_limit
     )

@@ -114,3 +114,8 @@ class DPRouter:
         for h in [h for h, e in self._prefixes.items() if e == engine]:
             del self._prefixes[h]
         return lost
+
+    def revive(self, engine: int) -> None:
+        """Route to `engine` again (restarted): it holds nothing yet."""
+        self.dead.pop(engine, None)
+        self.reported[engine] = self.sent_since_stats[engine] = self.in_flight[engine] = 0

@@ -5,9 +5,11 @@ a running daemon (`connect`). Either way it says hello on the input socket, lear
 output address from the reply, registers its route on the output socket, and then sends a
 heartbeat every second so the engine can abort the requests of a client that vanished.
 It declares the engine dead when the engine says so, when a spawned engine-core's process
-exits, or when nothing (not even a heartbeat) has arrived for `ENGINE_TIMEOUT_S`; and itself
-dropped when the engine-core says it heard nothing from it for its client timeout (an event
-loop that stalled that long).
+exits, when a daemon has been silent past its heartbeat (`PROBE_AFTER_S`) and nothing
+listens at its address any more (it was killed: its socket refuses), or when nothing (not
+even a heartbeat) has arrived for `ENGINE_TIMEOUT_S`; and itself dropped when the
+engine-core says it heard nothing from it for its client timeout (an event loop that
+stalled that long).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 30.0
 ENGINE_TIMEOUT_S = 3.0  # the core heartbeats every 0.5 s
+PROBE_AFTER_S = 0.7  # a daemon silent this long: is anything still listening at its address?
 HEARTBEAT_INTERVAL_S = 1.0
 _POLL_MS = 100
 T = TypeVar("T")
@@ -92,7 +95,7 @@ class _MPClient:
         except BaseException:
             self._close()
             raise
-        self.last_heard = time.monotonic()
+        self.last_heard = self._last_probe = time.monotonic()
         self._start_io()
 
     def _start_io(self) -> None:
@@ -159,14 +162,28 @@ class _MPClient:
         counts only right after a receive came back empty (`heard_nothing`): when this
         client's own loop stalled, the engine's messages are waiting, not missing."""
         if self.dead_reason is None:
+            silent = time.monotonic() - self.last_heard if heard_nothing else 0.0
             if self.proc is not None and not self.proc.is_alive():
                 self.dead_reason = f"the engine is dead: {describe_exit(self.proc)}"
-            elif heard_nothing and time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+            elif silent > ENGINE_TIMEOUT_S:
                 self.dead_reason = (
                     f"the engine is dead: engine-core silent for {ENGINE_TIMEOUT_S:.0f} s"
                 )
+            elif silent > PROBE_AFTER_S and self.proc is None and self._nothing_listens():
+                self.dead_reason = (
+                    f"the engine is dead: engine-core silent, and nothing listens at "
+                    f"{self.address} any more"
+                )
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+
+    def _nothing_listens(self) -> bool:
+        """Probe the daemon's address, at most every `PROBE_AFTER_S`."""
+        now = time.monotonic()
+        if now - self._last_probe < PROBE_AFTER_S:
+            return False
+        self._last_probe = now
+        return transport.refuses_connections(self.address)
 
     def _decode_output(self, frames) -> EngineCoreOutputs | None:
         """Decode one frame set from the engine; None for heartbeats and noise."""
@@ -225,7 +242,7 @@ class SyncMPClient(_MPClient, EngineCoreClient):
     def _check_alive(self, heard_nothing: bool = False) -> None:
         # a caller that has not read for a while (idle between two generate calls) has the
         # engine's heartbeats waiting in the socket: they are its signs of life
-        if self.dead_reason is None and time.monotonic() - self.last_heard > ENGINE_TIMEOUT_S:
+        if self.dead_reason is None and time.monotonic() - self.last_heard > PROBE_AFTER_S:
             while (frames := transport.recv_msg(self.output_sock, timeout_ms=0)) is not None:
                 self._take(frames)
             heard_nothing = True  # all that was waiting has been read

@@ -20,9 +20,10 @@ from prometheus_client import (
     Counter,
     Gauge,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from minivllm.frontend.dp_failover import FailoverStats
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
 M = TypeVar("M", Gauge, Counter)
@@ -79,13 +80,57 @@ class Histogram(Collector):
         yield family
 
 
-class PrometheusStatLogger:
-    """Sets vLLM's gauges, counters and histograms from the collector's stats."""
+class FailoverCollector(Collector):
+    """The failover counters of a data-parallel client, read when scraped, one series per
+    engine-core (`engine` is its index, as in vLLM's data-parallel metrics)."""
 
-    def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
+    METRICS = (
+        ("deaths", "vllm:engine_core_deaths", "Times the engine-core died."),
+        (
+            "moved",
+            "vllm:engine_core_requests_moved",
+            "Requests moved off the engine-core when it died, to go on on another.",
+        ),
+        (
+            "failed",
+            "vllm:engine_core_requests_failed",
+            "Requests that failed when the engine-core died (none left, or the failover limit).",
+        ),
+        ("restarts", "vllm:engine_core_restarts", "Times the engine-core was restarted."),
+    )
+
+    def __init__(self, stats: FailoverStats, model_name: str, registry: CollectorRegistry) -> None:
+        self.stats = stats
+        self.model_name = model_name
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for field, name, documentation in self.METRICS:
+            family = CounterMetricFamily(name, documentation, labels=["model_name", "engine"])
+            for engine, value in enumerate(getattr(self.stats, field)):
+                family.add_metric([self.model_name, str(engine)], value)
+            yield family
+
+
+class PrometheusStatLogger:
+    """Sets vLLM's gauges, counters and histograms from the collector's stats; with
+    `failover`, a data-parallel client's counters of engine-core deaths too."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        engine_index: int = 0,
+        num_speculative_tokens: int = 0,
+        failover: FailoverStats | None = None,
+    ) -> None:
+        """`num_speculative_tokens`: k of the engine's speculative decoding (0: none; its
+        counters are not exported then, as in vLLM)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
+        if failover is not None:
+            FailoverCollector(failover, model_name, registry)
         labels = {"model_name": model_name, "engine": str(engine_index)}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -197,6 +242,11 @@ class PrometheusStatLogger:
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             tokens,
         )
+        self._counter, self._by_label = counter, by_label
+        self.spec: tuple[Counter, ...] | None = None
+        self.spec_per_pos: list[Counter] = []
+        if num_speculative_tokens:
+            self._add_spec_counters(num_speculative_tokens)
         # each finished request's `RequestStats` field of that name is observed
         self.per_request = {
             "num_prompt_tokens": histogram(
@@ -247,8 +297,34 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler.new_prefix_cache_queries)
             self.prefix_cache_hits.inc(scheduler.new_prefix_cache_hits)
             self.preemptions.inc(scheduler.new_preemptions)
+            per_pos = scheduler.new_spec_accepted_per_pos
+            if per_pos and self.spec is None:  # an engine (a daemon's) that speculates
+                self._add_spec_counters(len(per_pos))
+            if self.spec is not None and len(per_pos) == len(self.spec_per_pos):
+                drafts, draft_tokens, accepted = self.spec
+                drafts.inc(scheduler.new_spec_drafts)
+                draft_tokens.inc(scheduler.new_spec_draft_tokens)
+                accepted.inc(scheduler.new_spec_accepted_tokens)
+                for counter, n in zip(self.spec_per_pos, per_pos, strict=True):
+                    counter.inc(n)
         if iteration is not None:
             self._record_iteration(iteration)
+
+    def _add_spec_counters(self, num_speculative_tokens: int) -> None:
+        """vLLM's speculative-decoding counters (only an engine that speculates has them)."""
+        counter = self._counter
+        self.spec = (
+            counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        )
+        per_pos = self._by_label(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            position=[str(i) for i in range(num_speculative_tokens)],
+        )
+        self.spec_per_pos = list(per_pos.values())
 
     def _record_iteration(self, it: IterationStats) -> None:
         computed = it.num_prompt_tokens - it.num_cached_prompt_tokens

@@ -91,6 +91,12 @@ class SchedulerUpdate:
     new_prefix_cache_queries: int
     new_prefix_cache_hits: int
     new_preemptions: int
+    # speculative decoding (all 0 without it): verifications, their draft tokens, those
+    # accepted, and the accepted ones by draft position, since the previous report
+    new_spec_drafts: int = 0
+    new_spec_draft_tokens: int = 0
+    new_spec_accepted_tokens: int = 0
+    new_spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class StatLogger(Protocol):
@@ -210,10 +216,29 @@ class StatsCollector:
     def _scheduler_update(self, stats: SchedulerStats) -> SchedulerUpdate:
         last, self._last_cumulative = self._last_cumulative, stats
         increases = []
-        for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+        for name in _CUMULATIVE:
             before, now = getattr(last, name), getattr(stats, name)
             # a cumulative counter that went down was reset (a restarted daemon): from zero
             increases.append(now - before if now >= before else now)
+        per_pos = stats.spec_num_accepted_tokens_per_pos
+        before = last.spec_num_accepted_tokens_per_pos
+        if len(before) != len(per_pos) or any(b > n for b, n in zip(before, per_pos, strict=True)):
+            before = [0] * len(per_pos)
         return SchedulerUpdate(
-            stats.num_running, stats.num_waiting, stats.kv_cache_usage, *increases
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage,
+            *increases,
+            [n - b for n, b in zip(per_pos, before, strict=True)],
         )
+
+
+# SchedulerStats' cumulative counters, in SchedulerUpdate's order
+_CUMULATIVE = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)

@@ -158,11 +158,23 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
                 curve = CurveClientKeys.load(args.curve_server_key, args.curve_secret_key)
             except (TypeError, ValueError) as e:
                 raise SystemExit(f"minivllm serve: --curve-*: {e}") from None
+        if args.data_parallel_restart:
+            raise SystemExit(
+                "minivllm serve: --data-parallel-restart restarts the engine-cores serve "
+                "starts; with --connect, restart the daemons where they run"
+            )
         # the daemon sends its model config and tokenizer, unless --tokenizer names one here
         tokenizer = args.tokenizer
-        client = attach_client(
-            args.connect.split(","), curve, asynchronous=True, has_tokenizer=bool(tokenizer)
-        )
+        try:
+            client = attach_client(
+                args.connect.split(","),
+                curve,
+                asynchronous=True,
+                has_tokenizer=bool(tokenizer),
+                failover_limit=args.data_parallel_failover_limit,
+            )
+        except ValueError as e:
+            raise SystemExit(f"minivllm serve: {e}") from None
         try:
             model_config, loaded = client.attached_model(tokenizer)
         except BaseException:
@@ -184,7 +196,12 @@ def build_state(args: argparse.Namespace, chat_template: str | None = None):
     names = args.served_model_name or [model_config.model]
     metrics = loggers = None
     if not args.disable_log_stats:
-        metrics = PrometheusStatLogger(names[0], model_config.max_model_len)
+        spec = None if args.connect else config.speculative
+        k = 0 if spec is None else spec.num_speculative_tokens
+        failover = getattr(client, "failover", None)  # several engine-cores
+        metrics = PrometheusStatLogger(
+            names[0], model_config.max_model_len, 0, k, failover=failover and failover.stats
+        )
         loggers = [LoggingStatLogger("GPU" if device == "cuda" else device.upper()), metrics]
     engine = AsyncLLM(model_config, client, loggers, loaded)
     return ServerState(

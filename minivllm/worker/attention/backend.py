@@ -15,7 +15,11 @@ class AttentionBackend(Protocol):
     The attention layer (layer.py) calls `store_kv`, then `forward`; where `store_kv` is
     `triton_attention.store_kv_cache`, the rotary kernel may do the same writes in its own
     pass instead (`layers.fused.qk_norm_rope_store_kv`). `kv_scale` (float32 [2]: the layer's
-    k and v scales) is read only by an FP8 cache (ops/kv_cache.py), which needs it."""
+    k and v scales) is read only by an FP8 cache (ops/kv_cache.py), which needs it.
+
+    `sliding_window` W (the layer's, fixed when the model is built): the query at position p
+    attends to the keys at p - W + 1 .. p only. A backend must not read the cache behind the
+    window: the engine-core may have given those blocks to other requests."""
 
     def store_kv(
         self,
@@ -33,5 +37,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

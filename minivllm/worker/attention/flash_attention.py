@@ -10,6 +10,8 @@ the rotary kernel in its pass, `layers.fused.qk_norm_rope_store_kv`):
   2. the other sequences go through `flash_attn_varlen_func` over the paged cache. flash-attn
      aligns the causal mask to the bottom right when a sequence has fewer queries than keys,
      which is exactly where a chunk's queries sit after its cached prefix.
+A layer's sliding window W is flash-attn's `window_size=(W - 1, 0)`: W - 1 keys to the left
+of each query, as HF masks it.
 
 flash-attn's own checks (flash_api.cpp) set what it can serve: fp16/bf16 only, head dims up
 to 256, pages a multiple of 256 tokens. `flash_attn_unsupported_reason` mirrors them so the
@@ -74,8 +76,10 @@ class FlashAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,  # 16-bit caches only: no scales
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        window = {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
         nd, n, num_tokens = meta.num_decodes, meta.num_seqs, meta.num_tokens
         out = torch.empty_like(q)
         out[num_tokens:] = 0  # padding rows, as the torch reference leaves them
@@ -88,6 +92,7 @@ class FlashAttentionBackend:
                 block_table=meta.block_table[:nd],
                 softmax_scale=scale,
                 causal=True,
+                **window,
             )
             out[:nd] = decoded.squeeze(1)
         if n > nd:
@@ -106,5 +111,6 @@ class FlashAttentionBackend:
                 softmax_scale=scale,
                 causal=True,
                 block_table=meta.block_table[nd:n],
+                **window,
             )
         return out

@@ -54,13 +54,23 @@ class PagedAttention(nn.Module):
 
     `kv_scale` holds the layer's k and v scales for an FP8 cache (ops/kv_cache.py): the
     checkpoint's, or those the step with `meta.compute_kv_scales` sets from its rotated keys
-    and values (kv_scales.py), else 1.0."""
+    and values (kv_scales.py), else 1.0.
 
-    def __init__(self, layer_idx: int, backend: AttentionBackend, scale: float) -> None:
+    `sliding_window` W: each query attends to the W keys up to its own position only (see
+    sliding_windows.py); None: to its whole context."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        backend: AttentionBackend,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.backend = backend
         self.scale = scale
+        self.sliding_window = sliding_window
         self.rope_can_store_kv = HAS_TRITON and backend.store_kv is store_kv_cache
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32))
 
@@ -83,4 +93,6 @@ class PagedAttention(nn.Module):
         """q [T, heads, head_dim] -> [T, heads, head_dim], attending over the cache, which
         holds this step's keys and values."""
         meta, kv_cache = self.batch_and_cache()
-        return self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)
+        return self.backend.forward(
+            q, kv_cache, meta, self.scale, self.kv_scale, self.sliding_window
+        )

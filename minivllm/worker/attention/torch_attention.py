@@ -1,7 +1,8 @@
 """Reference attention backend in plain torch: slow, simple, and the numerics to trust.
 
 It loops over sequences on the host, gathers each sequence's keys/values from its blocks
-and runs dense causal attention in float32. Works on any device; other backends are
+(under a sliding window, from the first block the window reaches) and runs dense causal
+attention in float32. Works on any device; other backends are
 tested against it.
 """
 
@@ -59,6 +60,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         k_scale, v_scale = kv_scales(kv_scale, kv_cache)
@@ -69,22 +71,38 @@ class TorchAttentionBackend:
         for i in range(meta.num_seqs):
             q_start, q_end, seq_len = starts[i], starts[i + 1], seq_lens[i]
             num_blocks = -(-seq_len // meta.block_size)
-            blocks = meta.block_table[i, :num_blocks].long()
-            keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            first = first_block(seq_len - (q_end - q_start), sliding_window, meta.block_size)
+            blocks = meta.block_table[i, first:num_blocks].long()
+            n = seq_len - first * meta.block_size
+            keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+            values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:n]
             keys = dequantize(keys, k_scale, torch.float32)
             values = dequantize(values, v_scale, torch.float32)
-            out[q_start:q_end] = causal_attention(q[q_start:q_end], keys, values, scale).to(q.dtype)
+            o = causal_attention(q[q_start:q_end], keys, values, scale, sliding_window)
+            out[q_start:q_end] = o.to(q.dtype)
         return out
 
 
+def first_block(first_query: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block that a sequence's queries from position `first_query` on read: the
+    one holding the first key of the first query's window (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query - sliding_window + 1) // block_size
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Dense attention of one sequence in float32, its queries being its last positions.
 
     q: [q_len, num_heads, head_dim]; k, v: [seq_len, num_kv_heads, head_dim] with
-    seq_len >= q_len. Query head h reads kv head h // (num_heads // num_kv_heads), as in HF.
+    seq_len >= q_len (under a window, k may start anywhere before the first query's window).
+    Query head h reads kv head h // (num_heads // num_kv_heads), as in HF.
     """
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -94,7 +112,10 @@ def causal_attention(
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
     key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    hidden = key_pos > query_pos
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 

@@ -15,6 +15,13 @@ it in its own pass, `layers.fused.qk_norm_rope_store_kv`); then `forward` launch
      cached prefix plus this step's tokens (all read back from the cache, so chunked prefill
      and prefix-cache hits need nothing special).
 
+A layer with a sliding window W (`WINDOW`, a compile-time constant: 0 for none) reads only
+the keys its queries see: a decode program starts at key seq_len - W, a prefill tile at the
+first key of its first row's window, and masks each row's keys below its own window. Such a
+layer never reads the blocks behind its window, which the engine-core may have freed. It
+attends its window with the plain decode kernel in a cascade step (the shared prefix is of
+no use to it).
+
 CUDA graphs: decode grids depend only on Python ints that are fixed per padded batch size
 (`meta.num_decodes`, the number of kv heads); each program reads its real context length from
 `seq_lens` on the device. Padded decode rows must have `seq_lens == 0` (their output is 0) and
@@ -50,7 +57,8 @@ def _decode_kernel(
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, CASCADE: tl.constexpr,
-    FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     # one flat grid, (rank, kv head, split) with the split fastest: programs are dispatched
@@ -66,6 +74,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # cascade: the shared prefix [0, start) is attended by `_cascade_prefix_kernel` instead
     start = tl.load(prefix_ptr) if CASCADE else 0
+    if WINDOW:  # the query at seq_len - 1 sees the keys from seq_len - WINDOW on
+        start = tl.maximum(seq_len - WINDOW, 0)
     num_tiles = tl.cdiv(tl.maximum(seq_len - start, 0), BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_start = split * tiles_per_split
@@ -148,7 +158,8 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt,
     stride_c_kv, stride_c_blk, stride_c_pos, stride_c_head,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     seq = first_seq + tl.program_id(0)
@@ -179,15 +190,21 @@ def _prefill_kernel(
     k_scale, v_scale = load_kv_scales(kv_scale_ptr, FP8)
     qk_scale = scale_log2 * k_scale  # the key scale of an FP8 cache, folded in
     kv_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)  # causal: later keys unused
-    for n_start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW:  # the first row's window starts here; row r's r keys later, in the same tile
+        kv_start = tl.maximum(prefix_len + m_start - WINDOW + 1, 0)
+    for n_start in range(kv_start, kv_end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         block = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         block = block.to(tl.int64)  # offsets into a cache of > 2^31 elements
         kv_off = block[:, None] * stride_c_blk + (offs_n % PAGE)[:, None] * stride_c_pos
         kv_off += offs_d[None, :]
-        # every row sees key 0, so the row max is finite after the first tile
+        # every row sees a key of the first tile (key 0, or under a window the first of its
+        # own, BLOCK_M <= BLOCK_N), so the row max is finite after the first tile
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         m_i, l_i, acc = attend_tile(
             q, cache_head, kv_off, n_mask, visible, m_i, l_i, acc, qk_scale, stride_c_kv,
             DOT, PRECISION,
@@ -249,6 +266,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
@@ -265,19 +283,23 @@ class TritonAttentionBackend:
             DOT=self._dot_dtype(q.dtype, fp8),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl(q),
         )  # fmt: skip
+        window = sliding_window or 0
         scale_log2, scales = scale * LOG2E, kv_scale_arg(kv_scale, fp8, q)
         if meta.num_decodes:
-            self._decode(q, out, kv_cache, meta, scale_log2, scales, common)
+            cascade = meta.cascade_prefix_len is not None and not window
+            self._decode(q, out, kv_cache, meta, scale_log2, scales, common, cascade, window)
         num_prefills = meta.num_seqs - meta.num_decodes
         if num_prefills:
             # 16-bit tiles fit twice as many keys in shared memory
             wide = q.dtype != torch.float32
+            # block_m <= block_n: under a window each row sees a key of its first tile
             block_m, block_n, warps, stages = (64, 64, 4, 2) if wide else (32, 32, 4, 2)
             _prefill_kernel[(num_prefills, math.ceil(meta.max_query_len / block_m), num_heads)](
                 q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, out,
                 scales, meta.num_decodes, scale_log2, q.stride(0), q.stride(1),
                 out.stride(0), out.stride(1), meta.block_table.stride(0), *kv_cache.stride()[:4],
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+                BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=window, num_warps=warps,
+                num_stages=stages, **common,
             )  # fmt: skip
         return out
 
@@ -298,12 +320,14 @@ class TritonAttentionBackend:
         scale_log2: float,
         kv_scale: torch.Tensor,
         common: dict,
+        cascade: bool,
+        window: int,
     ) -> None:
-        """Decode rows 0..num_decodes-1: split-KV or cascade partials, then their merge."""
+        """Decode rows 0..num_decodes-1: split-KV or cascade partials, then their merge; a
+        windowed layer (`window` > 0) reads only the last `window` keys of each row."""
         nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
         wide = q.dtype != torch.float32
-        cascade = meta.cascade_prefix_len is not None
         if cascade:  # each sequence's own keys in one piece: they are few
             splits = 1
             prefix_m, prefix_n = (64, 64) if wide else (32, 32)
@@ -331,8 +355,8 @@ class TritonAttentionBackend:
             meta.block_table.stride(0), *cache_strides,
             BLOCK_G=max(16, next_power_of_2(gqa)), BLOCK_N=block_n, NUM_SPLITS=splits,
             NUM_PARTS=num_parts, NUM_KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
-            CASCADE=cascade, num_warps=4, num_stages=self.decode_stages or (3 if wide else 2),
-            **common,
+            CASCADE=cascade, WINDOW=window, num_warps=4,
+            num_stages=self.decode_stages or (3 if wide else 2), **common,
         )  # fmt: skip
         if cascade:
             _cascade_prefix_kernel[(num_kv_heads, prefix_tiles, prefix_splits)](

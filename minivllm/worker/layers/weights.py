@@ -54,7 +54,9 @@ def lazy_rows(loaded: Loaded, start: int, length: int) -> Loaded:
 
 
 def full(loaded: Loaded) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    return loaded[:] if shape_of(loaded) else loaded[...]  # a 0-d scale takes no slice
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "weight") -> None:

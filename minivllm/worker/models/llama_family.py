@@ -34,6 +34,7 @@ from minivllm.worker.distributed.parallel_state import TPGroup
 from minivllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.worker.layers.fused import (
     all_reduce_add_rms_norm,
+    gelu_tanh_mul_linear,
     qk_norm_rope_store_kv,
     rms_norm_linear,
     silu_mul_linear,
@@ -43,10 +44,15 @@ from minivllm.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minivllm.worker.layers.norm import RMSNorm
+from minivllm.worker.layers.norm import GemmaRMSNorm, RMSNorm
+from minivllm.worker.layers.quantization import QuantizationConfig, get_quantization_config
 from minivllm.worker.layers.rotary import RotaryEmbedding
 from minivllm.worker.layers.weights import Loaded, default_weight_loader
-from minivllm.worker.models.sparse_moe import SparseMoeBlock, moe_targets
+from minivllm.worker.models.sparse_moe import (
+    SparseMoeBlock,
+    expert_checkpoint_name,
+    moe_targets,
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,11 @@ class DecoderVariant:
     mlp_bias: bool = False  # Llama with mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix
+    norm_offset: bool = False  # Gemma: every RMSNorm multiplies by 1 + weight
+    sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # Gemma: the attention scale is its -1/2 power
+    final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
     # the checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
     fused_checkpoint: bool = False
     norm_topk_prob: bool = False  # MoE: top-k routing weights renormalized to sum to 1
@@ -69,25 +80,45 @@ class DecoderVariant:
 
     def for_checkpoint(self, hf_config: dict[str, Any]) -> DecoderVariant:
         """This architecture's variant with the knobs of a checkpoint's config.json."""
-        act = hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu'")
+        act = hf_config.get("hidden_activation") or hf_config.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"hidden activation {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+            )
+        for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if hf_config.get(name):
+                raise ValueError(f"{name}={hf_config[name]!r} is not supported")
         attention_bias = bool(hf_config.get("attention_bias", False))
+        scalar, cap = (
+            hf_config.get("query_pre_attn_scalar"),
+            hf_config.get("final_logit_softcapping"),
+        )
         return replace(
             self,
             qkv_bias=self.qkv_bias or attention_bias,
             # Qwen2's q/k/v always carry a bias, its o_proj never does
             o_proj_bias=self.o_proj_bias or (attention_bias and not self.qkv_bias),
             mlp_bias=self.mlp_bias or bool(hf_config.get("mlp_bias", False)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            # Gemma's config class ties them unless it says otherwise, Llama's and Qwen's not
+            tie_word_embeddings=bool(
+                hf_config.get("tie_word_embeddings", self.tie_word_embeddings)
+            ),
+            hidden_act=act,
+            query_pre_attn_scalar=float(scalar) if scalar is not None else None,
+            final_logit_softcapping=float(cap) if cap else None,
             norm_topk_prob=self.norm_topk_prob or bool(hf_config.get("norm_topk_prob", False)),
         )
 
 
+# the MLP's gate activation -> its fused op (layers/fused.py): act(gate) * up, then down_proj
+_ACTIVATIONS = {"silu": silu_mul_linear, "gelu_pytorch_tanh": gelu_tanh_mul_linear}
+
+
 class Attention(nn.Module):
     """Self-attention from its qkv projection on (the decoder layer runs qkv_proj, fused with
-    the norm before it): per-head q/k norm (Qwen3), rotary, the KV-cache store, paged
-    attention, and o_proj, whose output under TP is this rank's partial sum."""
+    the norm before it): per-head q/k norm (Qwen3, Gemma), rotary, the KV-cache store, paged
+    attention (over the layer's sliding window, if it has one), and o_proj, whose output
+    under TP is this rank's partial sum."""
 
     def __init__(
         self,
@@ -98,9 +129,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         params_dtype: torch.dtype,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, head_dim = int(config.hf_config["hidden_size"]), config.head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn."
         self.qkv_proj = QKVParallelLinear(
             hidden,
             head_dim,
@@ -109,6 +142,8 @@ class Attention(nn.Module):
             tp,
             bias=variant.qkv_bias,
             params_dtype=params_dtype,
+            quant_config=quant_config,
+            checkpoint_names=[prefix + p for p in ("q_proj", "k_proj", "v_proj")],
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = head_dim
@@ -119,12 +154,21 @@ class Attention(nn.Module):
             bias=variant.o_proj_bias,
             params_dtype=params_dtype,
             reduce_results=False,  # summed by the next norm
+            quant_config=quant_config,
+            checkpoint_names=[prefix + "o_proj"],
         )
-        self.rotary_emb = rotary_emb  # shared by all layers
+        self.rotary_emb = rotary_emb  # shared by all layers (of its kind)
         eps = float(config.hf_config["rms_norm_eps"])
-        self.q_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, params_dtype) if variant.qk_norm else None
-        self.attn = PagedAttention(layer_idx, backend, scale=head_dim**-0.5)
+        norm_cls = GemmaRMSNorm if variant.norm_offset else RMSNorm
+        self.q_norm = norm_cls(head_dim, eps, params_dtype) if variant.qk_norm else None
+        self.k_norm = norm_cls(head_dim, eps, params_dtype) if variant.qk_norm else None
+        scalar = variant.query_pre_attn_scalar
+        self.attn = PagedAttention(
+            layer_idx,
+            backend,
+            scale=(scalar if scalar is not None else head_dim) ** -0.5,
+            sliding_window=config.sliding_windows[layer_idx],
+        )
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """positions [T]; qkv [T, q_size + 2 * kv_size] -> [T, hidden]."""
@@ -138,28 +182,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU from its gate_up projection on (the decoder layer runs gate_up_proj, fused with
-    the norm before it): down_proj(silu(gate) * up), under TP this rank's partial sum."""
+    """SwiGLU (GeGLU) from its gate_up projection on (the decoder layer runs gate_up_proj,
+    fused with the norm before it): down_proj(act(gate) * up), act silu (gelu_tanh), under
+    TP this rank's partial sum."""
 
     def __init__(
-        self, config: ModelConfig, variant: DecoderVariant, tp: TPGroup, params_dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        variant: DecoderVariant,
+        tp: TPGroup,
+        params_dtype: torch.dtype,
+        layer_idx: int = 0,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, inter = (
             int(config.hf_config["hidden_size"]),
             int(config.hf_config["intermediate_size"]),
         )
-        bias = variant.mlp_bias
+        bias, prefix = variant.mlp_bias, f"model.layers.{layer_idx}.mlp."
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype
-        )
+            hidden, [inter, inter], tp, bias=bias, params_dtype=params_dtype,
+            quant_config=quant_config, checkpoint_names=[prefix + "gate_proj", prefix + "up_proj"],
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
-            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False
-        )
+            inter, hidden, tp, bias=bias, params_dtype=params_dtype, reduce_results=False,
+            quant_config=quant_config, checkpoint_names=[prefix + "down_proj"],
+        )  # fmt: skip
+        self.act_mul_linear = _ACTIVATIONS[variant.hidden_act]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2 * intermediate] -> [T, hidden]."""
-        return silu_mul_linear(gate_up, self.down_proj)
+        return self.act_mul_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -176,17 +230,18 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         params_dtype: torch.dtype,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hf_config["hidden_size"]), float(config.hf_config["rms_norm_eps"])
         self.tp = tp
         self.self_attn = Attention(
-            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb
+            config, variant, layer_idx, tp, backend, params_dtype, rotary_emb, quant_config
         )
         self.mlp = (
-            SparseMoeBlock(config, variant, tp, params_dtype)
+            SparseMoeBlock(config, variant, tp, params_dtype, layer_idx, quant_config)
             if config.is_moe_layer(layer_idx)
-            else MLP(config, variant, tp, params_dtype)
+            else MLP(config, variant, tp, params_dtype, layer_idx, quant_config)
         )
         self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
@@ -218,6 +273,7 @@ class DecoderModel(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         params_dtype: torch.dtype,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden = int(config.hf_config["hidden_size"])
@@ -225,7 +281,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, params_dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.hf_config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb)
+            DecoderLayer(config, variant, i, tp, backend, params_dtype, rotary_emb, quant_config)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, float(config.hf_config["rms_norm_eps"]), params_dtype)
@@ -253,6 +309,8 @@ _STACKED = (
 class CausalLM(nn.Module):
     """A decoder-only LM of the Llama family, sharded for one tensor-parallel rank."""
 
+    model_cls: type[nn.Module] = DecoderModel  # the stack of layers under the LM head
+
     def __init__(
         self,
         config: ModelConfig,
@@ -264,7 +322,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = variant.tie_word_embeddings
-        self.model = DecoderModel(config, variant, tp, attn_backend, params_dtype)
+        # the linear layers' format (embeddings, norms and the LM head stay in params_dtype)
+        self.quant_config = get_quantization_config(config)
+        self.model = self.model_cls(
+            config, variant, tp, attn_backend, params_dtype, self.quant_config
+        )
         hidden = int(config.hf_config["hidden_size"])
         self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp, params_dtype)
         if self.tie_word_embeddings:
@@ -321,8 +383,9 @@ class CausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"{hf_name}: {e}") from e
                 loaded[name].update(expected[name] if shard_id is None else (shard_id,))
+        arch = self.config.architecture
         missing = sorted(
-            f"{name}[{shard}]" if shard is not None else name
+            _checkpoint_name(name, shard, arch)
             for name, shards in expected.items()
             for shard in shards - loaded[name]
         )
@@ -332,6 +395,20 @@ class CausalLM(nn.Module):
                 f"missing weights: {missing or 'none'}; unexpected weights: {unexpected or 'none'}"
             )
         self.has_kv_scales = kv_scales.finish()
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def _checkpoint_name(param_name: str, shard: object, architecture: str) -> str:
+    """The checkpoint tensor that fills `shard` of our parameter `param_name`."""
+    if isinstance(shard, tuple):  # (expert, part)
+        return expert_checkpoint_name(param_name, shard, architecture)
+    for hf_part, part, sid in _STACKED:
+        if part in param_name and sid == shard:
+            return param_name.replace(part, hf_part)
+    return param_name
 
 
 def _checkpoint_targets(hf_name: str, tensor: Loaded) -> list[tuple[str, object, Loaded]]:

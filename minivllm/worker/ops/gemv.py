@@ -10,7 +10,7 @@ reducing in float32; the few rows of x are reloaded per slice from L1/L2.
 At batch 1 a step is ~300 kernels of a few µs each, so the small kernels between the GEMVs
 cost as much as their work. Two prologues remove them: every program recomputes the
 (residual-add +) RMSNorm of its input row (a few KB read from L2; program 0 also writes the
-new residual stream), or SiLU(gate) * up of the gate_up output. The values fed to the dot
+new residual stream), or SiLU(gate) * up (GELU-tanh(gate) * up) of the gate_up output. The values fed to the dot
 are rounded to the activation dtype exactly as the separate kernels round what they store.
 
 `linear` is what the linear layers call: the GEMV for one 16-bit CUDA row, cuBLAS (or the
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.ops._triton import pdl, tl, triton, use_triton, wait_for_producers
-from minivllm.worker.ops.activation import silu_mul
+from minivllm.worker.ops.activation import gelu_tanh_mul, silu_mul
 from minivllm.worker.ops.norm import add_residual, rms_scale, row_rstd
 
 # what the kernel computes x from
-_PLAIN, _RMS_NORM, _SILU_MUL = 0, 1, 2
+_PLAIN, _RMS_NORM, _SILU_MUL, _GELU_MUL = 0, 1, 2, 3
 
 
 class GemvConfig(NamedTuple):
@@ -107,6 +107,10 @@ def _gemv_kernel(
                     gate = tl.load(x_row + k + offs_k)
                     up = tl.load(x_row + K + k + offs_k)
                     x = silu_mul(gate, up).to(up.dtype).to(tl.float32)
+                elif PROLOGUE == 3:
+                    gate = tl.load(x_row + k + offs_k)
+                    up = tl.load(x_row + K + k + offs_k)
+                    x = gelu_tanh_mul(gate, up).to(up.dtype).to(tl.float32)
                 else:
                     x = tl.load(x_row + k + offs_k).to(tl.float32)
                 acc += w.to(tl.float32) * x[None, :]
@@ -174,6 +178,11 @@ def gemv_rms_norm(
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
     """(silu(x[:, :K]) * x[:, K:]) @ w^T for x [M <= 4, 2K] (gate, then up) and w [N, K]."""
     return _launch(x, w, cfg, x.shape[1] // 2, _SILU_MUL)
+
+
+def gemv_gelu_tanh_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+    """(gelu_tanh(x[:, :K]) * x[:, K:]) @ w^T for x [M <= 4, 2K] (gate, then up), w [N, K]."""
+    return _launch(x, w, cfg, x.shape[1] // 2, _GELU_MUL)
 
 
 def one_gpu_row(x: torch.Tensor) -> bool:

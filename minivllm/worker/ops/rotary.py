@@ -1,4 +1,5 @@
-"""Per-head RMSNorm (Qwen3's q_norm / k_norm) plus NeoX-style rotary, fused and in place.
+"""Per-head RMSNorm (Qwen3's q_norm / k_norm; Gemma's, with its weight offset from 1) plus
+NeoX-style rotary, fused and in place.
 
 The cos/sin cache is one tensor `[rows, rotary_dim]`: columns `[0, rotary_dim/2)` hold
 cos(pos * inv_freq), columns `[rotary_dim/2, rotary_dim)` sin(pos * inv_freq), each times the
@@ -152,7 +153,7 @@ def build_cos_sin_cache(
 def _norm_rope_heads(
     x_ptr, stride_h, n_heads, w_ptr, cos, sin, eps,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, PASS: tl.constexpr,
-    BLOCK_P: tl.constexpr, APPLY_NORM: tl.constexpr,
+    BLOCK_P: tl.constexpr, APPLY_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
 ):  # fmt: skip
     """Norms (optionally) and rotates the heads of one token in place: dims [0, HALF) and
     [HALF, 2 HALF) rotate, the PASS dims after them pass through (normed). Returns the three
@@ -178,10 +179,14 @@ def _norm_rope_heads(
         w2 = tl.load(w_ptr + HALF + offs_r, mask=offs_r < HALF, other=0.0).to(tl.float32)[None, :]
         wp = tl.load(w_ptr + 2 * HALF + offs_p, mask=offs_p < PASS, other=0.0)
         wp = wp.to(tl.float32)[None, :]
-        # rounded to the activation dtype twice, as HF's RMSNorm does
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+        if NORM_OFFSET:  # Gemma's: times 1 + w in float32, rounded once
+            x1 = (x1 * rstd * (1.0 + w1)).to(dtype).to(tl.float32)
+            x2 = (x2 * rstd * (1.0 + w2)).to(dtype).to(tl.float32)
+            xp = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+        else:  # rounded to the activation dtype twice, as HF's RMSNorm does
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
     yp = xp.to(dtype)
@@ -202,7 +207,7 @@ def _qk_norm_rope_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
     PASS: tl.constexpr, BLOCK_P: tl.constexpr,
     APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr, PAGE: tl.constexpr,
-    FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, NORM_OFFSET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     tok = tl.program_id(0)
@@ -214,11 +219,11 @@ def _qk_norm_rope_kernel(
     sin = sin.to(tl.float32)[None, :]
     _norm_rope_heads(
         q_ptr + tok * stride_q_tok, stride_q_head, n_q_heads, q_w_ptr, cos, sin, eps,
-        BLOCK_HQ, HALF, BLOCK_R, PASS, BLOCK_P, APPLY_NORM,
+        BLOCK_HQ, HALF, BLOCK_R, PASS, BLOCK_P, APPLY_NORM, NORM_OFFSET,
     )  # fmt: skip
     k1, k2, kp = _norm_rope_heads(
         k_ptr + tok * stride_k_tok, stride_k_head, n_k_heads, k_w_ptr, cos, sin, eps,
-        BLOCK_HK, HALF, BLOCK_R, PASS, BLOCK_P, APPLY_NORM,
+        BLOCK_HK, HALF, BLOCK_R, PASS, BLOCK_P, APPLY_NORM, NORM_OFFSET,
     )  # fmt: skip
     if STORE_KV:
         # rows past the slot mapping (padding) and slot -1 are not stored
@@ -255,6 +260,7 @@ def qk_norm_rope_torch(
     positions: torch.Tensor,
     eps: float,
     apply_norm: bool,
+    norm_offset: bool = False,
 ) -> None:
     rot = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
@@ -263,7 +269,10 @@ def qk_norm_rope_torch(
         if apply_norm:
             assert w is not None
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-            x32 = (w * x32.to(x.dtype)).float()
+            if norm_offset:
+                x32 = (x32 * (1.0 + w.float())).to(x.dtype).float()
+            else:
+                x32 = (w * x32.to(x.dtype)).float()
         x1, x2 = x32[..., :rot].chunk(2, dim=-1)
         x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rot:]], dim=-1))
 
@@ -281,11 +290,13 @@ def qk_norm_rope(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    norm_offset: bool = False,
 ) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (views with unit last stride are fine):
-    optional per-head RMSNorm with weights [D], then rotary at `positions` [T] (int64; the
-    rows of `cos_sin_cache`) over the first `cos_sin_cache.shape[-1]` dims of each head
-    (the rotary dim; the dims after it pass through).
+    optional per-head RMSNorm with weights [D] (`norm_offset`: Gemma's, times 1 + w), then
+    rotary at `positions` [T] (int64; the rows of `cos_sin_cache`) over the first
+    `cos_sin_cache.shape[-1]` dims of each head (the rotary dim; the dims after it pass
+    through).
 
     With `v` [T, Hkv, D], `kv_cache` [2, num_blocks, block_size, Hkv, D] and `slot_mapping`
     (int64, one flat slot per token; -1, and rows past its end, are not stored), token t's
@@ -302,7 +313,9 @@ def qk_norm_rope(
     if not use_triton(q):
         if fuse_store:
             raise ValueError("the KV store is fused only into the Triton kernel")
-        qk_norm_rope_torch(q, k, q_norm_w, k_norm_w, cos_sin_cache, positions, eps, apply_norm)
+        qk_norm_rope_torch(
+            q, k, q_norm_w, k_norm_w, cos_sin_cache, positions, eps, apply_norm, norm_offset
+        )
         return
     assert q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1
     q_w = q_norm_w if apply_norm else cos_sin_cache  # dummies when the norm is off
@@ -329,5 +342,5 @@ def qk_norm_rope(
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k.shape[1]),
         HALF=half, BLOCK_R=next_power_of_2(half), PASS=pass_dims,
         BLOCK_P=next_power_of_2(max(pass_dims, 1)), APPLY_NORM=apply_norm, STORE_KV=fuse_store,
-        PAGE=page, FP8=fp8, **pdl(q),
+        PAGE=page, FP8=fp8, NORM_OFFSET=norm_offset, **pdl(q),
     )  # fmt: skip

@@ -329,3 +329,10 @@ def gumbel_noise(
     # float32, whose infinite noise would turn a banned (-inf) logit into NaN, the argmax
     uniform = ((_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(1.0 - 2.0**-24)
     return -torch.log(-torch.log(uniform))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform float32 [N] in (0, 1) per row, a fixed function of (seeds[r], positions[r])
+    (give it seeds salted otherwise than the draws' to keep it apart from their noise)."""
+    bits = _splitmix(_splitmix(seeds.long() * _GOLDEN + positions.long()))
+    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))

@@ -1,0 +1,256 @@
+"""INT4 weight-only linear layers (AWQ, GPTQ): y = x dequant(W)^T with 4-bit weights that the
+kernels dequantize in registers, activations left in the model's dtype.
+
+Both formats are repacked at load into one layout, read along K like the 16-bit GEMV reads W:
+- `qweight` int32 [N, K/8]: weight (n, k) is bits 4*(k%8).. of qweight[n, k // 8];
+- `scales` [N, groups] (the checkpoint's dtype) and `zeros` uint8 [N, groups], the zero point
+  itself (GPTQ's stored zero + 1 already added);
+- w(n, k) = (q(n, k) - zeros[n, g(k)]) * scales[n, g(k)] with g(k) = k // group_size, or, for
+  GPTQ with act-order under a row-parallel split, g(k) = g_idx[k] (`g_idx`);
+- act-order (`desc_act`) checkpoints are permuted at load so that each group's rows lie
+  together (exllama's shuffle): the kernels then read x at `perm[k]` instead of k.
+
+`w4_gemv` serves one to four rows (decode), `w4_gemm` any number (prompts, tl.dot on the
+tensor cores in the activation dtype); `dequantize_w4` is the torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
+
+
+class W4Weights(NamedTuple):
+    """One linear layer's 4-bit weight in the kernels' layout (see the module docstring)."""
+
+    qweight: torch.Tensor  # int32 [N, K/8]
+    scales: torch.Tensor  # [N, groups]
+    zeros: torch.Tensor  # uint8 [N, groups]
+    group_size: int  # rows of K per group (K itself for one group)
+    perm: torch.Tensor | None = None  # int32 [K]: x's column of each k (act-order)
+    g_idx: torch.Tensor | None = None  # int32 [K]: k's group, where groups are not k // size
+
+
+# ---- packing and the torch reference
+
+
+def pack_along_k(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values int [N, K] -> int32 [N, K/8], value k in bits 4*(k%8)."""
+    n, k = q.shape
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    words = (q.to(torch.int64).view(n, k // 8, 8) << shifts).sum(-1)
+    return to_int32(words)
+
+
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (int64) as the int32 of the same bits."""
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_along_k(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K/8] -> int32 [N, K] of 4-bit values."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight[:, :, None] >> shifts) & 0xF).flatten(1)
+
+
+def group_index(w: W4Weights, k: int) -> torch.Tensor:
+    """Each k's group."""
+    if w.g_idx is not None:
+        return w.g_idx.long()
+    return torch.arange(k, device=w.qweight.device) // w.group_size
+
+
+def dequantize_w4(w: W4Weights, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, columns in the kernels' (permuted) order."""
+    q = unpack_along_k(w.qweight)
+    g = group_index(w, q.shape[1])
+    return ((q - w.zeros[:, g].int()).float() * w.scales[:, g].float()).to(dtype)
+
+
+def w4_linear_torch(
+    x: torch.Tensor, w: W4Weights, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T (+ bias): dequantize to x's dtype, then a plain matmul."""
+    if w.perm is not None:
+        x = x[:, w.perm.long()]
+    return torch.nn.functional.linear(x, dequantize_w4(w, x.dtype), bias)
+
+
+# ---- Triton kernels
+
+
+@triton.jit
+def _unpack(q, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int32 [ROWS, COLS / 8] -> int32 [ROWS, COLS] of 4-bit values."""
+    shifts = tl.arange(0, 8) * 4
+    return tl.reshape((q[:, :, None] >> shifts[None, None, :]) & 0xF, [ROWS, COLS])
+
+
+@triton.jit
+def _w4_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr, K,
+    stride_xm, stride_qn, stride_sn, stride_om,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """y = x dequant(W)^T for M <= 4 rows; each program owns BLOCK_N rows of W and reads
+    BLOCK_K of K per iteration, as SLICES chunks of SUB_K that each lie in one group."""
+    SLICES: tl.constexpr = BLOCK_K // SUB_K
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    offs_slice = tl.arange(0, SLICES) * SUB_K
+    wait_for_producers(PDL)
+    for m in tl.static_range(M):
+        x_row = x_ptr + m * stride_xm
+        # products summed over K once, after the loop (as ops/gemv.py)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            q = tl.load(q_ptr + offs_n[:, None] * stride_qn + k // 8 + offs_k8[None, :])
+            w = _unpack(q, BLOCK_N, BLOCK_K).to(tl.float32)
+            cols = k + offs_k
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + k + offs_k)
+            x = tl.load(x_row + cols).to(tl.float32)
+            if HAS_G_IDX:  # a group per k: gather its scale and zero
+                g = tl.load(g_ptr + k + offs_k)
+                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            else:  # a group per SUB_K chunk: load each once, spread over its chunk
+                g = (k + offs_slice) // GROUP
+                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, SLICES, SUB_K]),
+                               [BLOCK_N, BLOCK_K])  # fmt: skip
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], [BLOCK_N, SLICES, SUB_K]),
+                               [BLOCK_N, BLOCK_K])  # fmt: skip
+            acc += (w - z) * s * x[None, :]
+        acc = tl.sum(acc, 1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty))
+
+
+class W4GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def w4_gemv_config(n: int, k: int, group: int) -> W4GemvConfig | None:
+    """4 rows of W per program and 1024 of K (512 bytes of each row) per iteration where
+    the shape allows; None when the kernel cannot tile it."""
+    if n % 4:
+        return None
+    block_k = next((b for b in (1024, 512, 256, 128, 64, 32) if k % b == 0), None)
+    if block_k is None or (group % min(block_k, group) or min(block_k, group) % 8):
+        return None
+    return W4GemvConfig(4, block_k, 4)
+
+
+def w4_gemv(
+    x: torch.Tensor, w: W4Weights, cfg: W4GemvConfig, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M <= 4, K] @ dequant(W)^T -> [M, N] in x's dtype (float32 accumulation)."""
+    m, k = x.shape
+    n = w.qweight.shape[0]
+    if not (1 <= m <= 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0):
+        raise ValueError(f"config {cfg} does not tile M={m}, N={n}, K={k}")
+    assert x.stride(1) == 1 and w.scales.stride(0) == w.zeros.stride(0)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dummy = w.qweight
+    _w4_gemv_kernel[(n // cfg.block_n,)](
+        x, w.qweight, w.scales, w.zeros, dummy if w.perm is None else w.perm,
+        dummy if w.g_idx is None else w.g_idx, dummy if bias is None else bias, out, k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=min(cfg.block_k, w.group_size),
+        GROUP=w.group_size, HAS_PERM=w.perm is not None, HAS_G_IDX=w.g_idx is not None,
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl(x),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    a_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_am, stride_qn, stride_sn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """C = A dequant(W)^T: each K block of W is dequantized in registers to A's dtype and
+    fed to tl.dot; BLOCK_K divides the group size, so one scale per row and block."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_am, offs_bn = offs_m % M, offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    wait_for_producers(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + offs_k
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + k + offs_k)
+        a = tl.load(a_ptr + offs_am[:, None] * stride_am + cols[None, :])
+        q = tl.load(q_ptr + offs_bn[:, None] * stride_qn + k // 8 + offs_k8[None, :])
+        w = _unpack(q, BLOCK_N, BLOCK_K).to(tl.float32)
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + k + offs_k)
+            s = tl.load(s_ptr + offs_bn[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + offs_bn[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            b = (w - z) * s
+        else:
+            s = tl.load(s_ptr + offs_bn * stride_sn + k // GROUP).to(tl.float32)
+            z = tl.load(z_ptr + offs_bn * stride_sn + k // GROUP).to(tl.float32)
+            b = (w - z[:, None]) * s[:, None]
+        acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_bn).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(
+        c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
+    )
+
+
+def w4_gemm_block_k(k: int, group: int) -> int | None:
+    """The K block of the GEMM: a power of two >= 16 dividing K and the group size."""
+    return next((b for b in (128, 64, 32, 16) if k % b == 0 and group % b == 0), None)
+
+
+def w4_gemm(x: torch.Tensor, w: W4Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(W)^T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.qweight.shape[0]
+    block_k = w4_gemm_block_k(k, w.group_size)
+    if block_k is None:
+        raise ValueError(f"no K block divides K={k} and group size {w.group_size}")
+    assert x.stride(1) == 1 and w.scales.stride(0) == w.zeros.stride(0)
+    if m <= 16:
+        bm, bn, warps, stages = 16, 64, 4, 4
+    elif m <= 64:
+        bm, bn, warps, stages = 64, 64, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dummy = w.qweight
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _w4_gemm_kernel[grid](
+        x, w.qweight, w.scales, w.zeros, dummy if w.perm is None else w.perm,
+        dummy if w.g_idx is None else w.g_idx, dummy if bias is None else bias, c, m, n, k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), c.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP=w.group_size, GROUP_M=8,
+        HAS_PERM=w.perm is not None, HAS_G_IDX=w.g_idx is not None, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=stages, **pdl(x),
+    )  # fmt: skip
+    return c
