@@ -4,8 +4,7 @@ model's registration, which this module makes (the model is no part of the engin
 engine loads it as any model from outside the package, through `ModelRegistry`).
 
 A process started on its own (`minivllm serve DIR`, `minivllm engine-core --model DIR`)
-registers it as a plugin: MINIVLLM_PLUGINS=minivllm.benchmarks.null_checkpoint:register_null_model
-(`null_model_env`)."""
+registers it as a plugin, `NULL_MODEL_PLUGIN` in MINIVLLM_PLUGINS (`null_model_env`)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from minivllm.model_registry import ModelRegistry
 NULL_ARCHITECTURE = "MiniVllmNullForCausalLM"
 NULL_MODEL_PLUGIN = "minivllm.benchmarks.null_checkpoint:register_null_model"
 NULL_VOCAB_SIZE = 4096
+_CORPUS_MODULES = ("argparse", "json.decoder", "textwrap", "string", "difflib", "pprint")
 
 
 def register_null_model() -> None:
@@ -27,9 +27,6 @@ def register_null_model() -> None:
     ModelRegistry.register_model(
         NULL_ARCHITECTURE, "minivllm.benchmarks.null_model:NullForCausalLM"
     )
-
-
-_CORPUS_MODULES = ("argparse", "json.decoder", "textwrap", "string", "difflib", "pprint")
 
 
 def null_model_env(env: Mapping[str, str]) -> dict[str, str]:
