@@ -70,7 +70,7 @@ def test_quantized_weight_bytes():
 
 def test_bench_quantized_end_to_end():
     """Dummy weights of the CPU geometry in FP8 blocks: the throughput run, and the top-1
-    agreement of FP8 weights with the same weights in float32."""
+    agreement of FP8 weights with the same weights in float32 (benchmarks/kv_accuracy.py)."""
     env = {**os.environ, "PYTHONPATH": _REPO}
     base = [sys.executable, "-m", "minivllm.frontend.cli", "bench"]
     common = ["--quantization", "fp8", "--device", "cpu", "--input-len", "32"]
@@ -80,7 +80,8 @@ def test_bench_quantized_end_to_end():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dtype float32, weights fp8" in proc.stdout
     assert "Total num output tokens:  32" in proc.stdout
-    cmd = base + ["kv-accuracy", *common, "--num-prompts", "2"]
+    cmd = [sys.executable, os.path.join(_REPO, "benchmarks", "kv_accuracy.py"), *common]
+    cmd += ["--num-prompts", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = re.search(r"^fp8 weights vs model dtype: top-1 agreement ([\d.]+)% of 64 positions",
