@@ -114,7 +114,12 @@ def check_fp8_experts(
             ref = w8a8_experts_torch(x, experts, weights, ids).float()
             for cfg in configs:
                 got = fused_experts_fp8(x, experts, weights, ids, num_experts, config=cfg)
-                torch.testing.assert_close(got.float(), ref, **tol, msg=f"{kind} {load} {cfg}")
+                torch.testing.assert_close(
+                    got.float(),
+                    ref,
+                    **tol,
+                    msg=lambda e, where=f"{kind} {load} {cfg}": f"{where}: {e}",
+                )
             half = num_experts // 2
             got = fused_experts_fp8(x, _half(experts, half), weights, ids, num_experts, half)
             ref_half = w8a8_experts_torch(x, _half(experts, half), weights, ids, half)

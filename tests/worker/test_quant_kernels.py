@@ -103,12 +103,19 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
             xp = x if w.perm is None else x[:, w.perm.long()]
             want = (xp.double() @ ops.dequantize_w4(w, torch.float64).T + bias.double()).float()
             got = ops.w4_gemm(x, w, bias)
-            torch.testing.assert_close(got.float(), want, **tol, msg=f"gemm {name} {m}x{n}x{k}")
+            torch.testing.assert_close(
+                got.float(),
+                want,
+                **tol,
+                msg=lambda e, where=f"gemm {name} {m}x{n}x{k}": f"{where}: {e}",
+            )
             if m <= 4:
                 cfg = ops.w4_gemv_config(n, k, w.group_size)
                 assert cfg is not None
                 got = ops.w4_gemv(x, w, cfg, bias)
-                torch.testing.assert_close(got.float(), want, **tol, msg=f"gemv {name}")
+                torch.testing.assert_close(
+                    got.float(), want, **tol, msg=lambda e, where=f"gemv {name}": f"{where}: {e}"
+                )
             # the reference path: x permuted, W dequantized, a plain matmul
             got = ops.w4_linear_torch(x.double(), w, bias.double()).float()
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -3,6 +3,7 @@ scheduler stats merged, one reply to a utility call from each core's."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -63,7 +64,13 @@ def _check_same_model(infos: list[EngineCoreInfo], addresses: list[str]) -> None
 def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """`SchedulerStats` of several cores as one engine's: counts and cumulative counters add
     up (so their deltas stay right), the KV cache usage is the mean."""
-    merged = {k: sum(getattr(s, k) for s in stats) for k in SchedulerStats.__struct_fields__}
+    merged: dict[str, Any] = {}
+    for k in SchedulerStats.__struct_fields__:
+        values = [getattr(s, k) for s in stats]
+        if isinstance(values[0], list):  # counters per draft position: added position-wise
+            merged[k] = [sum(col) for col in itertools.zip_longest(*values, fillvalue=0)]
+        else:
+            merged[k] = sum(values)
     merged["kv_cache_usage"] /= len(stats)
     return SchedulerStats(**merged)
 
