@@ -5,6 +5,7 @@ both compared token for token, and the acceptance the engine counted.
     python benchmarks/spec_decode.py copy --geometry qwen3-0.6b   # dummy weights, token copies
     python benchmarks/spec_decode.py draft --geometry qwen3-8b --draft-geometry qwen3-0.6b
     python benchmarks/spec_decode.py draft --geometry qwen3-0.6b --draft-geometry self
+    python benchmarks/spec_decode.py copy --geometry qwen3-8b     # a step the GPU dominates
 
 `copy` asks the model to repeat or edit a given text (a real model: chat prompts; a geometry
 with random weights: prompts of a repeated random block), the workload prompt lookup helps.
@@ -12,6 +13,15 @@ with random weights: prompts of a repeated random block), the workload prompt lo
 unrelated models, the cost side of the trade) or the target as its own draft (every draft
 accepted at temperature 0: the most speculation can give at that k). Each engine runs alone,
 one after the other; `--output-json` writes the figures.
+
+A verification step waits for the previous one's tokens (its drafts come from them), so its
+host work (the engine-core's update and proposal, the worker's inputs, the wire both ways)
+does not overlap the GPU as a plain decode step's does: at batch 1 it costs about a
+millisecond on top of the forward. A model whose forward takes about that long gains less
+than its acceptance length; a larger one (`--geometry qwen3-8b`) nearly all of it. Random
+weights give near-ties that the verify (prefill) and decode kernels may round apart in
+bfloat16, and the first flip changes the rest of the text: `--dtype float32` checks the
+tokens for identity.
 """
 
 from __future__ import annotations
@@ -117,7 +127,7 @@ def compare(base: dict[str, Any], spec: dict[str, Any], label: str) -> dict[str,
 
 
 def engine_args(args: argparse.Namespace, model: str, **extra: Any) -> dict[str, Any]:
-    values = dict(model=model, max_model_len=args.max_model_len, seed=0)
+    values = dict(model=model, max_model_len=args.max_model_len, seed=0, dtype=args.dtype)
     values["gpu_memory_utilization"] = args.gpu_memory_utilization
     values["max_num_seqs"] = args.max_num_seqs
     if args.geometry:
@@ -182,6 +192,11 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32: random weights' near-ties round alike in the verify and decode kernels",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--max-num-seqs", type=int, default=8, help="batch 1: few graphs to capture")
     p.add_argument("--output-json")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minivllm import generation_defaults, rope_config
+from minivllm import generation_defaults, rope_config, speculative_config
 from minivllm.devices import check_gpu_sharing, resolve_device
 from minivllm.model_files import eos_ids, read_hf_config, resolve_load_format
+from minivllm.quantization_config import QUANTIZATION_METHODS, resolve_quantization
 from minivllm.sliding_windows import kv_sliding_window, layer_sliding_windows
 from minivllm.speculative_config import (
     SpeculativeConfig,
@@ -27,55 +27,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
 _Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-# quantized linear layers (worker/layers/quantization/): a checkpoint declares one in
-# config.json's quantization_config; "fp8" also quantizes a 16-bit one at load
-LINEAR_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
-# every --quantization the loader implements: those, and a GGUF file's (dequantized at load)
-QUANTIZATION_METHODS: tuple[str, ...] = (*LINEAR_QUANTIZATION_METHODS, "gguf")
-_FP8_DYNAMIC_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
-# the quantization_config each method's tool writes (Qwen3-*-FP8, llm-compressor's
-# FP8_DYNAMIC, AutoAWQ, AutoGPTQ): what load_format="dummy" with --quantization lays out
-CHECKPOINT_QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
-    "fp8": {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": [128, 128],
-    },
-    "compressed-tensors": {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "ignore": ["lm_head"],
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**_FP8_DYNAMIC_SCHEME, "dynamic": False, "strategy": "channel"},
-                "input_activations": {**_FP8_DYNAMIC_SCHEME, "strategy": "token"},
-                "output_activations": None,
-            }
-        },
-    },
-    "awq": {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": 128,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": None,
-    },
-    "gptq": {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": 128,
-        "desc_act": False,
-        "sym": True,
-        "static_groups": False,
-        "true_sequential": True,
-        "damp_percent": 0.01,
-        "checkpoint_format": "gptq",
-    },
-}
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
     "dtype": _DTYPES + tuple(_DTYPE_ALIASES),
@@ -248,43 +199,6 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
-
-
-def resolve_quantization(
-    requested: str | None, hf_config: dict[str, Any], load_format: str
-) -> str | None:
-    """The quantization method the linear layers load with: the one config.json declares
-    (which `requested` must match), else `requested` -- online for "fp8"; with dummy weights
-    any method, laid out as its tool writes it (hf_config gets that quantization_config).
-    None for a GGUF file, whose weights are dequantized at load."""
-    if requested == "gguf" or load_format == "gguf":
-        return None
-    declared = hf_config.get("quantization_config")
-    supported = ", ".join(LINEAR_QUANTIZATION_METHODS)
-    if declared is not None:
-        method = str(declared.get("quant_method", "")).lower().replace("_", "-")
-        if method not in LINEAR_QUANTIZATION_METHODS:
-            raise ValueError(
-                f"the checkpoint's quantization_config.quant_method {method!r} is not "
-                f"supported (supported: {supported})"
-            )
-        if requested not in (None, method):
-            raise ValueError(
-                f"quantization={requested!r} does not match the checkpoint's quantization "
-                f"method {method!r} (config.json's quantization_config)"
-            )
-        return method
-    if requested is None:
-        return None
-    if load_format == "dummy":
-        hf_config["quantization_config"] = copy.deepcopy(CHECKPOINT_QUANTIZATION_CONFIGS[requested])
-        return requested
-    if requested != "fp8":
-        raise ValueError(
-            f"quantization={requested!r} loads checkpoints quantized with it, and config.json "
-            "has no quantization_config; only 'fp8' quantizes a 16-bit checkpoint at load"
-        )
-    return requested
 
 
 def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
@@ -548,3 +462,9 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+# SpeculativeConfig.draft is a ModelConfig, which speculative_config.py can import only for
+# type checkers (this module imports it): give its namespace the class, so msgspec can
+# resolve the field when an EngineConfig is decoded (a Ray worker's config travels so).
+speculative_config.ModelConfig = ModelConfig  # type: ignore[attr-defined]

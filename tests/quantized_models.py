@@ -20,7 +20,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from minivllm.config import CHECKPOINT_QUANTIZATION_CONFIGS
+from minivllm.quantization_config import CHECKPOINT_QUANTIZATION_CONFIGS
 
 FP8 = torch.float8_e4m3fn
 # the linear layers a quantized checkpoint quantizes: attention, MLP and experts (Mixtral's

@@ -87,6 +87,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_blocks: int,
+        *,
         sliding_window: int | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:

@@ -10,7 +10,8 @@ import os
 import types
 import typing
 
-from minivllm.config import ENGINE_ARG_CHOICES, QUANTIZATION_METHODS, EngineArgs
+from minivllm.config import ENGINE_ARG_CHOICES, EngineArgs
+from minivllm.quantization_config import QUANTIZATION_METHODS
 
 # vLLM's short spellings
 _ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"], "quantization": ["-q"]}

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 from minivllm.frontend.tokenizer import Tokenizer as HFTokenizer
+from minivllm.hf_imports import from_transformers
 from minivllm.protocol.messages import FinishReason
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -246,8 +247,7 @@ def _build_byte_level_table(tokenizer: HFTokenizer, skip_special: bool) -> ByteT
     if not isinstance(backend.decoder, ByteLevel):
         return None
     # GPT-2's map from the 256 printable stand-in characters back to bytes
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    bytes_to_unicode = from_transformers("convert_slow_tokenizer", "bytes_to_unicode")
     char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = []

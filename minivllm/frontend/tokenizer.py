@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from minivllm.gguf_file import pretrained_args
+from minivllm.hf_imports import from_transformers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -21,8 +22,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Tokenizer:
     Only fast tokenizers are accepted: incremental detokenization steps the Rust
     tokenizer directly (`tokenizers.decoders.DecodeStream`).
     """
-    from transformers import AutoTokenizer
-
+    AutoTokenizer = from_transformers("", "AutoTokenizer")
     name, kwargs = pretrained_args(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(

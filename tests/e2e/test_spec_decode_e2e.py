@@ -138,6 +138,39 @@ def test_tensor_parallel_over_gloo(tiny_models: dict[str, str], method: str) -> 
     assert stats["spec_num_draft_tokens"] > 0
 
 
+def test_two_engine_cores_add_up_their_counters(qwen3_dir: str) -> None:
+    """Data parallelism: AsyncLLM's stream over two engine-cores that speculate, whose
+    stats (per draft position too) add up to one engine's."""
+    prompts = loop_prompts()[:6]
+    expected = hf_greedy(qwen3_dir, prompts, 20)
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model=qwen3_dir, dtype="float32", data_parallel_size=2, speculative_config=NGRAM)
+    )
+
+    async def one(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in llm.generate({"prompt_token_ids": prompts[i]}, GREEDY, f"r{i}"):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def main():
+        import asyncio
+
+        tokens = await asyncio.wait_for(asyncio.gather(*map(one, range(len(prompts)))), 240)
+        return tokens, await llm.client.call_utility_async(UtilityMethod.STATS)
+
+    try:
+        got, stats = uvloop.run(main())
+        balance = llm.client.balance()
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert all(b["requests"] > 0 for b in balance)  # both cores served
+    per_pos = stats["spec_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == NGRAM["num_speculative_tokens"]
+    assert sum(per_pos) == stats["spec_num_accepted_tokens"] > 0
+
+
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores the keys and values "
     "of every token in fixed-size blocks."

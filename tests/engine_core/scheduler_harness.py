@@ -29,7 +29,7 @@ def make_scheduler(
         SchedulerConfig(max_num_seqs, budget, chunked, max_model_len, async_scheduling=False),
         CacheConfig(block_size, 0.9, None, caching, None),
         num_blocks,
-        sliding_window,
+        sliding_window=sliding_window,
     )
 
 

@@ -1,6 +1,7 @@
-"""Speculative decoding on the model variants with a switch or a sparse MLP: Phi-3's LongRoPE
-(a sequence that grows past the original length is computed again with the long factors,
-drafts included) and a mixture of experts; greedy tokens are transformers'."""
+"""Speculative decoding on the model variants with a switch, a window or a sparse MLP: Phi-3's
+LongRoPE (a sequence that grows past the original length is computed again with the long
+factors, drafts included), Mistral's sliding window (blocks behind it freed) and a mixture of
+experts; greedy tokens are transformers'."""
 
 from __future__ import annotations
 
@@ -62,3 +63,25 @@ def test_mixture_of_experts_with_ngram_drafts(tiny_models: dict[str, str]) -> No
     got, stats = generate(path, prompts, GREEDY, NGRAM)
     assert tokens_of(got) == hf_greedy(path, prompts, GREEDY.max_tokens)
     assert stats["spec_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-itself"])
+def test_sliding_window_with_drafts(window_models: dict[str, str], method: str) -> None:
+    """Mistral's 8-token window: with n-gram drafts its blocks behind the window go back to
+    the pool (sequences of up to 72 tokens in 8 blocks), freed from where the rejected
+    drafts were taken back, never past it; a draft model keeps them (its own layers may
+    read the whole context)."""
+    path = window_models["mistral-window"]
+    prompts = loop_prompts()
+    spec, kwargs = NGRAM, dict(num_gpu_blocks_override=8, max_num_batched_tokens=16)
+    if method == "draft-itself":
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+        kwargs = dict(num_gpu_blocks_override=40)
+    got, stats = generate(path, prompts, GREEDY, spec, block_size=4, max_model_len=96, **kwargs)
+    assert tokens_of(got) == hf_greedy(path, prompts, GREEDY.max_tokens)
+    accepted, drafted = stats["spec_num_accepted_tokens"], stats["spec_num_draft_tokens"]
+    if method == "ngram":  # it seldom copies: drafts rejected, their slots taken back
+        assert max(map(len, prompts)) + GREEDY.max_tokens > 8 * 4  # longer than the cache
+        assert accepted < drafted
+    else:
+        assert accepted == drafted > 0

@@ -19,7 +19,7 @@ def make_scheduler(spec: SpeculativeConfig, num_blocks: int = 40, async_: bool =
         SchedulerConfig(8, 64, True, 256, async_scheduling=async_),
         CacheConfig(4, 0.9, None, True, None),
         num_blocks,
-        spec,
+        speculative=spec,
     )
 
 

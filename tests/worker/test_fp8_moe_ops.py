@@ -5,7 +5,9 @@ per-channel scales with per-token activations, and static activation scales; wit
 uneven expert loads, small tiles, and a rank's half of the experts. The dequantizing CPU
 path (`DequantizedExperts`) against the experts dequantized up front.
 
-As test_fused_moe_ops: under the Triton interpreter on CPU, at real sizes on a GPU.
+As test_fused_moe_ops: under the Triton interpreter on CPU, at real sizes on a GPU (there
+held to `assert_tensor_core_close`: the intermediate's e4m3 rounding flips wherever the
+tensor cores' sums differ from float32's by a bfloat16 step).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from minivllm.worker.ops.fused_moe import (
 )
 from tests.triton_interpreter import needs_triton, run_interpreted
 from tests.worker.test_fused_moe_ops import LOADS, routed_ids
+from tests.worker.test_quant_kernels import assert_tensor_core_close
 
 KINDS = ("block", "channel", "static")
 
@@ -114,16 +117,20 @@ def check_fp8_experts(
             ref = w8a8_experts_torch(x, experts, weights, ids).float()
             for cfg in configs:
                 got = fused_experts_fp8(x, experts, weights, ids, num_experts, config=cfg)
-                torch.testing.assert_close(
-                    got.float(),
-                    ref,
-                    **tol,
-                    msg=lambda e, where=f"{kind} {load} {cfg}": f"{where}: {e}",
-                )
+                _check(got, ref, device, tol, f"{kind} {load} {cfg}")
             half = num_experts // 2
             got = fused_experts_fp8(x, _half(experts, half), weights, ids, num_experts, half)
             ref_half = w8a8_experts_torch(x, _half(experts, half), weights, ids, half)
-            torch.testing.assert_close(got.float(), ref_half.float(), **tol)
+            _check(got, ref_half, device, tol, f"{kind} {load} experts {half}..")
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, device: str, tol: dict, where: str) -> None:
+    """Elementwise where the interpreter multiplies exactly; on a GPU's FP8 tensor cores as
+    vLLM's FP8 MoE tests hold theirs (mean error under 3%; no element far off)."""
+    if device == "cuda":
+        assert_tensor_core_close(got, want, where, mean_rel=0.03)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda e: f"{where}: {e}")
 
 
 def test_dequantized_experts_are_the_formats_weights() -> None:
@@ -162,7 +169,7 @@ SMALL_CONFIGS = [None, MoETileConfig(16, 32, 32, 4, 2)]
 
 @needs_triton
 def test_fp8_moe_kernels_interpreted() -> None:
-    run_interpreted(__file__, timeout=500)
+    run_interpreted(__file__, timeout=900)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ per-row groups from g_idx).
 
 On CPU the kernels run through the Triton interpreter in a subprocess (it handles e4m3
 loads, stores, conversions and tl.dot; tests/triton_interpreter.py rounds its float32 ->
-e4m3 conversions as the GPU does); on a GPU at real sizes (Qwen3-8B's layers).
+e4m3 conversions as the GPU does); on a GPU at real sizes (Qwen3-8B's layers), the FP8
+GEMMs on tensor cores held to `assert_tensor_core_close`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,29 @@ import pytest
 import torch
 
 from tests.triton_interpreter import needs_triton, run_interpreted
+
+
+def assert_tensor_core_close(
+    got: torch.Tensor, want: torch.Tensor, where: str, mean_rel: float = 5e-3
+) -> None:
+    """An FP8 product on a GPU's tensor cores against its float32 reference. Hopper's FP8
+    MMA sums each 128-deep dot in reduced precision (about 14 bits), so a few of many outputs
+    land past an elementwise tolerance, and where an output is quantized again (a W8A8
+    MoE's SiLU * up) a few of its e4m3 roundings flip: held to the mean error (the measure
+    vLLM's FP8 kernel tests use) and, so that no tile, row or block is wrong, every element
+    to a quarter of the outputs' rms. The interpreted checks hold the same kernels to
+    elementwise tolerances."""
+    got, want = got.float(), want.float()
+    if not want.any():  # none of the slots on this rank's experts
+        assert not got.any(), f"{where}: outputs where none are due"
+        return
+    err = (got - want).abs()
+    mean = float(err.mean() / want.abs().mean())
+    worst = float(err.max() / want.pow(2).mean().sqrt())
+    assert mean < mean_rel and worst < 0.25, (
+        f"{where}: mean error {mean:.2e} of the mean |output| (< {mean_rel}), largest "
+        f"{worst:.3f} of the rms (< 0.25)"
+    )
 
 
 def check_fp8_activation_quant(device: str, dtype: torch.dtype) -> None:
@@ -51,12 +75,12 @@ def check_fp8_gemms(device: str, dtype: torch.dtype, shapes: tuple) -> None:
         want = ops.block_w8a8_torch(x, wq, ws, bias).float()
         xq, xs = ops.quantize_per_group(x, 128)
         got = ops.scaled_fp8_gemm(xq, xs, wq, ws, 128, dtype, bias)
-        torch.testing.assert_close(got.float(), want, **tol)
+        _check_gemm(got, want, device, tol, f"block gemm {m}x{n}x{k}")
         cq, cs = ops.quantize_weight_channel(w)
         want_c = ops.channel_w8a8_torch(x, cq, cs, bias).float()
         xq, xs = ops.quantize_per_token(x)
         got = ops.scaled_fp8_gemm(xq, xs, cq, cs, 1, dtype, bias)
-        torch.testing.assert_close(got.float(), want_c, **tol)
+        _check_gemm(got, want_c, device, tol, f"channel gemm {m}x{n}x{k}")
         if m > 4:
             continue
         cfg = ops.fp8_gemv_config(n, k)
@@ -67,6 +91,13 @@ def check_fp8_gemms(device: str, dtype: torch.dtype, shapes: tuple) -> None:
         torch.testing.assert_close(
             ops.fp8_gemv(x, cq, cs.view(-1, 1), 1, True, cfg, bias).float(), want_c, **tol
         )
+
+
+def _check_gemm(got: torch.Tensor, want: torch.Tensor, device: str, tol: dict, where: str) -> None:
+    if device == "cuda":
+        assert_tensor_core_close(got, want, where)
+    else:
+        torch.testing.assert_close(got.float(), want, **tol, msg=lambda e: f"{where}: {e}")
 
 
 def w4_cases(device: str, n: int, k: int, gen: torch.Generator) -> list:
@@ -102,10 +133,14 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
         for name, w in w4_cases(device, n, k, gen):
             xp = x if w.perm is None else x[:, w.perm.long()]
             want = (xp.double() @ ops.dequantize_w4(w, torch.float64).T + bias.double()).float()
+            # the GEMM feeds tl.dot W dequantized to x's dtype (bfloat16: 8 bits), the GEMV
+            # multiplies in float32
+            w16 = ops.dequantize_w4(w, dtype).double()
+            want_gemm = (xp.double() @ w16.T + bias.double()).float()
             got = ops.w4_gemm(x, w, bias)
             torch.testing.assert_close(
                 got.float(),
-                want,
+                want_gemm,
                 **tol,
                 msg=lambda e, where=f"gemm {name} {m}x{n}x{k}": f"{where}: {e}",
             )
@@ -124,7 +159,7 @@ def check_w4(device: str, dtype: torch.dtype, shapes: tuple) -> None:
 def check_fused_ops_fall_back(device: str) -> None:
     """A quantized projection after a norm (or SiLU * up) on one bfloat16 row: the fused ops
     do not run the 16-bit GEMV's prologue on it but the norm, then the quantized matmul."""
-    from minivllm.config import CHECKPOINT_QUANTIZATION_CONFIGS as CONFIGS
+    from minivllm.quantization_config import CHECKPOINT_QUANTIZATION_CONFIGS as CONFIGS
     from minivllm.worker.distributed.parallel_state import TPGroup
     from minivllm.worker.layers.fused import rms_norm_linear, silu_mul_linear
     from minivllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear

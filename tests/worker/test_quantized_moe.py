@@ -130,6 +130,28 @@ def test_dummy_fp8_experts(moe_checkpoints: dict) -> None:
     assert experts.w13_weight_scale_inv.shape == (8, 4, 2)  # 512 rows, 256 columns
 
 
+def test_block_scales_of_experts_that_are_not_whole_blocks(tiny_models: dict[str, str]) -> None:
+    """Experts of intermediate size 32 (and hidden 64): up starts inside gate's 128-row
+    block, so w13 keeps a scale row per weight row, each its block's; every expert reads
+    back as its gate, up and down each quantized in blocks (dummy weights: the same float
+    weights as the unquantized load)."""
+    from minivllm.worker.ops import fp8_gemm as ops
+    from minivllm.worker.ops.fused_moe import DequantizedExperts
+
+    path = tiny_models["qwen3_moe"]
+    plain = load(path, load_format="dummy").model.layers[0].mlp.experts
+    experts = load(path, load_format="dummy", quantization="fp8").model.layers[0].mlp.experts
+    assert experts.w13_weight_scale_inv.shape == (16, 64, 1)  # a row per weight row
+    w13, w2 = experts.quant_method.experts(experts)[:2]
+    d13, d2 = DequantizedExperts(w13, torch.float32), DequantizedExperts(w2, torch.float32)
+    for e in range(16):
+        want = torch.cat([ops.dequantize_block(*ops.quantize_weight_block(p), torch.float32)
+                          for p in plain.w13_weight[e].split(32)])  # fmt: skip
+        assert torch.equal(d13[e], want)
+        down = ops.quantize_weight_block(plain.w2_weight[e])
+        assert torch.equal(d2[e], ops.dequantize_block(*down, torch.float32))
+
+
 def test_unsupported_quantized_experts_are_named(moe_checkpoints: dict, tmp_path) -> None:
     from minivllm.worker.distributed.parallel_state import TPGroup
 

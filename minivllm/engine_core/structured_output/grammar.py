@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from minivllm.gguf_file import pretrained_args
+from minivllm.hf_imports import from_transformers, import_locked
 from minivllm.protocol.structured_outputs import (
     CONSTRAINTS,
     GrammarKind,
@@ -27,7 +28,7 @@ _STRING_FORMATS |= {"relative-json-pointer"}
 def xgrammar() -> Any:
     """The xgrammar module, or a `ValueError` that says how to install it."""
     try:
-        import xgrammar as xgr
+        xgr = import_locked("xgrammar")
     except ImportError:
         raise ValueError(
             "structured_outputs need the xgrammar package: pip install 'minivllm[structured]'"
@@ -84,8 +85,7 @@ class GrammarCompiler:
     """xgrammar's compiler over one tokenizer's vocabulary, padded to the model's."""
 
     def __init__(self, tokenizer: str, vocab_size: int) -> None:
-        from transformers import AutoTokenizer
-
+        AutoTokenizer = from_transformers("", "AutoTokenizer")
         xgr = xgrammar()
         name, kwargs = pretrained_args(tokenizer)
         tok = AutoTokenizer.from_pretrained(name, **kwargs)

@@ -172,6 +172,8 @@ class DPAsyncClient(EngineCoreGroup):
         except EngineDeadError as e:
             if self.clients[engine] is client:
                 self._on_death(engine, e)
+        except Exception as e:  # a fault here: every caller learns it, none waits forever
+            self.outputs.put_nowait(e)
 
     def _on_death(self, engine: int, error: BaseException) -> None:
         if engine in self.router.dead:

@@ -128,7 +128,7 @@ class _SplitLinear(nn.Module):
                 dst.copy_(full(loaded).reshape(()).expand(dst.shape))
                 return
             src = narrow(src, d, src_row // div, length)
-        if spec.input_dim is not None and self.shape.input_split:
+        if spec.input_dim is not None and self.shape.input_split and self.tp.size > 1:
             d, div, cols = spec.input_dim, spec.input_div, self.shape.input_per_rank
             if cols % div:
                 raise ValueError(f"{cols} input columns per rank are not whole groups of {div}")

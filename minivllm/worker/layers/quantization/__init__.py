@@ -7,7 +7,8 @@ gives every linear layer its `LinearMethod` (base.py).
 
 from __future__ import annotations
 
-from minivllm.config import LINEAR_QUANTIZATION_METHODS, ModelConfig
+from minivllm.config import ModelConfig
+from minivllm.quantization_config import LINEAR_QUANTIZATION_METHODS
 from minivllm.worker.layers.quantization.awq import AwqConfig
 from minivllm.worker.layers.quantization.base import QuantizationConfig
 from minivllm.worker.layers.quantization.compressed_tensors import CompressedTensorsConfig
