@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from minivllm import generation_defaults, rope_config, speculative_config
 from minivllm.devices import check_gpu_sharing, resolve_device
@@ -25,7 +25,6 @@ _EXECUTORS = ("mp", "uni", "ray")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 values with a per-layer k and v scale
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on a CPU when none is given
-_Config = TypeVar("_Config")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # the EngineArgs fields whose value is one of a fixed set (the CLI's choices)
 ENGINE_ARG_CHOICES = {
@@ -199,13 +198,6 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
-
-
-def _from_args(cls: type[_Config], args: EngineArgs, **resolved: Any) -> _Config:
-    """A `cls` config: `resolved` values, and every other field that `args` has of that name
-    (the rest keep their defaults)."""
-    names = {f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)} - resolved.keys()
-    return cls(**{name: getattr(args, name) for name in names}, **resolved)
 
 
 def check_moe_sharding(model: ModelConfig, tp: int, expert_parallel: bool) -> None:
@@ -387,16 +379,22 @@ class EngineArgs:
                 + f" ({derived_max})"
             )
         load_format = resolve_load_format(self.model, self.load_format, self.quantization)
-        model_cfg = _from_args(
-            ModelConfig,
-            self,
+        model_cfg = ModelConfig(
+            model=self.model,
             tokenizer=self.tokenizer or self.model,
-            load_format=load_format,
             dtype=dtype,
             max_model_len=max_model_len,
+            seed=self.seed,
+            load_format=load_format,
             hf_config=hf_config,
             eos_token_ids=eos_ids(self.model, hf_config),
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            disable_cascade_attn=self.disable_cascade_attn,
+            max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
+            generation_config=self.generation_config,
             default_sampling_params=self._default_sampling_params(hf_config),
+            override_generation_config=self.override_generation_config,
             quantization=resolve_quantization(self.quantization, hf_config, load_format),
         )
         # a layout no layer can serve fails here, not in a worker
@@ -411,6 +409,40 @@ class EngineArgs:
         """Read the model directory and resolve every default into frozen configs."""
         model_cfg = self.model_config(self.read_hf_config())
         device = resolve_device(self.device)
+        scheduler_cfg = self._scheduler_config(model_cfg)
+        self._check_parallel(model_cfg, device)
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
+            kv_bytes = _CPU_KV_CACHE_BYTES
+        return EngineConfig(
+            model=model_cfg,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=kv_bytes,
+                kv_cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
+            ),
+            scheduler=scheduler_cfg,
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_failover_limit=self.data_parallel_failover_limit,
+                data_parallel_restart=self.data_parallel_restart,
+                data_parallel_restart_backoff_s=self.data_parallel_restart_backoff_s,
+                execute_timeout=float(self.execute_timeout) or None,
+                enable_expert_parallel=self.enable_expert_parallel,
+            ),
+            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager),
+            speculative=None
+            if self.speculative_config is None
+            else resolve_speculative_config(self.speculative_config, self, model_cfg),
+        )
+
+    def _scheduler_config(self, model_cfg: ModelConfig) -> SchedulerConfig:
         max_model_len = model_cfg.max_model_len
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -420,6 +452,17 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
                 f"({max_model_len}) when enable_chunked_prefill is False"
             )
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+            async_scheduling=self.async_scheduling,
+            long_rope_threshold=rope_config.long_rope_threshold(model_cfg.hf_config, max_model_len),
+        )
+
+    def _check_parallel(self, model_cfg: ModelConfig, device: str) -> None:
+        """The model splits evenly over the tensor-parallel ranks, and the GPUs can hold them."""
         tp = self.tensor_parallel_size
         if model_cfg.num_attention_heads % tp:
             raise ValueError(
@@ -435,29 +478,6 @@ class EngineArgs:
         check_moe_sharding(model_cfg, tp, self.enable_expert_parallel)
         if device == "cuda" and self.distributed_executor_backend != "ray":
             check_gpu_sharing(tp, self.data_parallel_size, self.gpu_memory_utilization)
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and device == "cpu" and self.num_gpu_blocks_override is None:
-            kv_bytes = _CPU_KV_CACHE_BYTES
-        return EngineConfig(
-            model=model_cfg,
-            cache=_from_args(CacheConfig, self, kv_cache_memory_bytes=kv_bytes),
-            scheduler=_from_args(
-                SchedulerConfig,
-                self,
-                max_num_batched_tokens=max_batched,
-                max_model_len=max_model_len,
-                long_rope_threshold=rope_config.long_rope_threshold(
-                    model_cfg.hf_config, max_model_len
-                ),
-            ),
-            parallel=_from_args(
-                ParallelConfig, self, execute_timeout=float(self.execute_timeout) or None
-            ),
-            device=_from_args(DeviceConfig, self, device=device),
-            speculative=None
-            if self.speculative_config is None
-            else resolve_speculative_config(self.speculative_config, self, model_cfg),
-        )
 
     @classmethod
     def field_names(cls) -> list[str]:
