@@ -32,7 +32,7 @@ from minivllm.benchmarks.common import (
     model_dir,
 )
 from minivllm.benchmarks.workloads import random_workload, reference_workload
-from minivllm.config import resolve_device
+from minivllm.devices import resolve_device
 from minivllm.gguf_file import pretrained_args
 
 

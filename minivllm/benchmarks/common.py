@@ -16,7 +16,8 @@ from minivllm.benchmarks.geometry import (
     GEOMETRIES,
     write_geometry,
 )
-from minivllm.config import EngineArgs, resolve_device
+from minivllm.config import EngineArgs
+from minivllm.devices import resolve_device
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.llm import LLM
 from minivllm.model_files import read_hf_config

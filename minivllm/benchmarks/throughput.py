@@ -57,7 +57,8 @@ from minivllm.benchmarks.workloads import (
     random_workload,
     reference_workload,
 )
-from minivllm.config import EngineConfig, resolve_device
+from minivllm.config import EngineConfig
+from minivllm.devices import resolve_device
 from minivllm.gguf_file import pretrained_args
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams
