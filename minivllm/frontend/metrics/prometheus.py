@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from minivllm.frontend.dp_failover import FailoverStats
+from minivllm.frontend.clients.dp_failover import FailoverStats
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate
 
 M = TypeVar("M", Gauge, Counter)

@@ -142,7 +142,7 @@ def _warn_if_open(host: str, api_key: str | None) -> None:
 def build_state(args: argparse.Namespace, chat_template: str | None = None):
     """The engine (spawned or attached) with its stat loggers, wrapped in a `ServerState`."""
     from minivllm.frontend.async_llm import AsyncLLM
-    from minivllm.frontend.dp_client import attach_client, make_client
+    from minivllm.frontend.clients.dp_client import attach_client, make_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
     from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
     from minivllm.frontend.server.app import ServerState

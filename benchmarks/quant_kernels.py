@@ -1,6 +1,6 @@
-"""`minivllm bench kernels --only quant`: the quantized GEMMs at Qwen3-8B's layer shapes on a
-CUDA GPU, each checked against its torch reference, then timed against the bf16 matmul of
-the same shape (the GEMV for one row, cuBLAS beyond); and Qwen3-30B-A3B's experts in FP8
+"""The quantized GEMMs in `python benchmarks/kernels.py --only quant`, at Qwen3-8B's layer
+shapes on a CUDA GPU, each checked against its torch reference, then timed against the bf16
+matmul of the same shape (the GEMV for one row, cuBLAS beyond); and Qwen3-30B-A3B's experts in FP8
 blocks against bf16, the whole MoE layer replayed in a CUDA graph. TB/s: the bytes of the
 weight and its scales each call must read (of the experts: those routed to), over its time
 (the H100's device copy runs at ~3.0)."""
@@ -100,8 +100,9 @@ def bench_quant(rows: list, bench: Callable[[Any], float]) -> None:
 def bench_fp8_moe(rows: list, bench: Callable[[Any], float]) -> None:
     """One Qwen3-30B-A3B MoE layer (routing included) with its experts in 128x128 FP8 blocks
     against the same experts in bf16, checked against the dequantized experts in torch."""
-    from minivllm.frontend.bench.moe_kernels import SHAPES as MOE_SHAPES
-    from minivllm.frontend.bench.moe_kernels import _captured, _layer, _touched_bytes
+    from moe_kernels import SHAPES as MOE_SHAPES
+    from moe_kernels import _captured, _layer, _touched_bytes
+
     from minivllm.worker.ops.fused_moe import (
         DequantizedExperts,
         fused_experts,

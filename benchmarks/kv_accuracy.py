@@ -1,4 +1,4 @@
-"""`minivllm bench kv-accuracy`: what an FP8 KV cache costs in next-token accuracy -- or,
+"""`python benchmarks/kv_accuracy.py`: what an FP8 KV cache costs in next-token accuracy -- or,
 with --quantization METHOD, what quantized weights cost: the same weights in the model's
 dtype and quantized (a 16-bit checkpoint quantized at load, or a geometry's dummy weights,
 which are the same random tensors either way), both with a KV cache of the model's dtype.
@@ -24,14 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from minivllm.config import resolve_device
-from minivllm.frontend.bench.common import (
+from minivllm.benchmarks import run_script
+from minivllm.benchmarks.common import (
     add_bench_args,
     bench_engine_args,
     max_token_id,
     model_dir,
 )
-from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.benchmarks.workloads import random_workload, reference_workload
+from minivllm.devices import resolve_device
 from minivllm.gguf_file import pretrained_args
 
 
@@ -198,3 +199,7 @@ def _report(results: dict[str, Agreement]) -> dict:
             k: getattr(agreement, k) for k in ("positions", "top1", "mean_kl", "max_kl")
         }
     return figures
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

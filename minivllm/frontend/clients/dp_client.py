@@ -14,10 +14,10 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
-from minivllm.frontend.core_client import EngineCoreClient
-from minivllm.frontend.dp_attach import combine
-from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT, EngineCoreGroup
-from minivllm.frontend.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient
+from minivllm.frontend.clients.core_client import EngineCoreClient
+from minivllm.frontend.clients.dp_attach import combine
+from minivllm.frontend.clients.dp_group import DEFAULT_FAILOVER_LIMIT, EngineCoreGroup
+from minivllm.frontend.clients.mp_client import _POLL_MS, AsyncMPClient, SyncMPClient
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, UtilityMethod
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the `minivllm bench` commands: the model directory and engine args."""
+"""Shared pieces of the benchmarks (`minivllm bench` and the benchmarks/ scripts): the model
+directory and engine args."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from minivllm.config import EngineArgs, resolve_device
-from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
-from minivllm.frontend.bench.geometry import (
+from minivllm.benchmarks.geometry import (
     DEFAULT_CPU_GEOMETRY,
     DEFAULT_GPU_GEOMETRY,
     GEOMETRIES,
     write_geometry,
 )
+from minivllm.config import EngineArgs
+from minivllm.devices import resolve_device
+from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.llm import LLM
 from minivllm.model_files import read_hf_config
 from minivllm.process_utils import freeze_startup_heap

@@ -1,7 +1,7 @@
-"""`minivllm bench tp-equality`: greedy tokens at every tensor-parallel size are the same
+"""`python benchmarks/tp_equality.py`: greedy tokens at every tensor-parallel size are the same
 (dummy weights of a real geometry).
 
-    minivllm bench tp-equality --geometry qwen3-8b --tp-sizes 1 2 --dtype float32
+    python benchmarks/tp_equality.py --geometry qwen3-8b --tp-sizes 1 2 --dtype float32
 
 Run on a machine with as many GPUs as the largest TP size (NCCL_NVLS_ENABLE=0), or on CPU
 with gloo (`--device cpu`, with a small geometry). Prints one line per TP size and exits 1
@@ -16,7 +16,8 @@ import tempfile
 import time
 
 from minivllm import LLM, SamplingParams
-from minivllm.frontend.bench.geometry import write_geometry
+from minivllm.benchmarks import run_script
+from minivllm.benchmarks.geometry import write_geometry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,3 +89,7 @@ def main(args: argparse.Namespace) -> bool:
     if not same:
         raise SystemExit(1)
     return same
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

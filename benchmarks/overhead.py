@@ -1,4 +1,4 @@
-"""`minivllm bench overhead`: what the engine costs around the model, on the CPU.
+"""`python benchmarks/overhead.py`: what the engine costs around the model, on the CPU.
 
 The null model (no forward pass) runs behind the full multiprocess pipeline: frontend
 process -> engine-core process -> worker process. Measured:
@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.benchmarks import run_script
+from minivllm.benchmarks.null_checkpoint import build_null_checkpoint, register_null_model
 from minivllm.config import EngineArgs
 from minivllm.frontend.arg_utils import add_engine_args, engine_args_from
 from minivllm.frontend.async_llm import AsyncLLM
-from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
 from minivllm.frontend.llm import LLM
 from minivllm.process_utils import freeze_startup_heap
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
@@ -173,6 +174,7 @@ def _report(label: str, r: StreamResult) -> None:
 def main(args: argparse.Namespace) -> dict:
     import uvloop
 
+    register_null_model()  # also for --model DIR: a null checkpoint of one's own
     with tempfile.TemporaryDirectory(prefix="minivllm-null-") as tmp:
         model = args.model or build_null_checkpoint(tmp)
         overrides: dict[str, Any] = {"model": model}
@@ -202,3 +204,7 @@ def main(args: argparse.Namespace) -> dict:
             _report("LLM.generate (sync)", sync)
             figures.update(sync.figures("sync"))
     return figures
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

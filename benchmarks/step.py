@@ -1,10 +1,11 @@
-"""`minivllm bench step`: where one model-runner step's time goes, without the engine around it.
+"""`python benchmarks/step.py`: where one model-runner step's time goes, without the engine
+around it.
 
 The model runner runs in this process on one GPU, on a geometry with random weights.
 Decode (the default): --num sequences decode over --ctx tokens of context each (the KV is
 garbage: only the time matters). With --prefill N: one fresh N-token prompt per step and its
 first sample, the worker's share of a batch-1 TTFT (the rest is the frontend, the hops
-between processes and the scheduler: compare with `bench latency`).
+between processes and the scheduler: compare with `minivllm bench latency`).
 
 Prints the wall time per step (decode: queued back to back; prefill: one at a time, the GPU
 idle before each), the host time to launch one, and a profile of a few steps by GPU time
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minivllm.frontend.bench.common import add_bench_args, bench_engine_args, model_dir
+from minivllm.benchmarks import run_script
+from minivllm.benchmarks.common import add_bench_args, bench_engine_args, model_dir
 from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -168,3 +170,7 @@ def main(args: argparse.Namespace) -> dict:
         if args.profile_trace:
             prof.export_chrome_trace(args.profile_trace)
     return figures
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

@@ -1,5 +1,6 @@
-"""`minivllm bench kernels`: the Triton kernels at Qwen3-0.6B's shapes on a CUDA GPU, each
-checked against a torch reference first, then timed (median of `triton.testing.do_bench`).
+"""`python benchmarks/kernels.py [--only GROUP]`: the Triton kernels at Qwen3-0.6B's shapes
+on a CUDA GPU, each checked against a torch reference first, then timed (median of
+`triton.testing.do_bench`).
 
 Decode attention runs over a bf16 and an FP8 KV cache (the FP8 dots in float16, as the
 engine runs them, and in bfloat16), with the bytes of KV each call must read over its time
@@ -17,9 +18,10 @@ import random
 from typing import Any
 
 import torch
+from moe_kernels import bench_moe
+from quant_kernels import bench_quant
 
-from minivllm.frontend.bench.moe_kernels import bench_moe
-from minivllm.frontend.bench.quant_kernels import bench_quant
+from minivllm.benchmarks import run_script
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
 DEV = "cuda"
@@ -303,7 +305,7 @@ def main(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
     import triton
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench kernels needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     random.seed(0)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
@@ -322,3 +324,7 @@ def main(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
     for name, shape, us, note in rows:
         print(f"{name:<20} {shape:<48} {us:>10.1f}  {note}")
     return rows
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

@@ -1,4 +1,4 @@
-"""The fused MoE kernels in `minivllm bench kernels --only moe`: the routing and the two
+"""The fused MoE kernels in `python benchmarks/kernels.py --only moe`: the routing and the two
 grouped GEMMs of one layer at Qwen3-30B-A3B's and Mixtral-8x7B's shapes (and a rank's share
 of them under TP=2 and EP=2), checked against the torch loop over experts, then timed.
 

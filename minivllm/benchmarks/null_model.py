@@ -1,8 +1,9 @@
 """A model that costs nothing: for measuring the engine around the model.
 
-`architectures: ["MiniVllmNullForCausalLM"]` in a config.json selects it. Every step still
-goes through scheduling, the wire, input preparation, sampling and detokenization; only the
-forward pass is gone. The token it "predicts" at position p is a fixed function of p.
+`architectures: ["MiniVllmNullForCausalLM"]` in a config.json selects it, once registered
+(`null_checkpoint.register_null_model`). Every step still goes through scheduling, the wire,
+input preparation, sampling and detokenization; only the forward pass is gone. The token it
+"predicts" at position p is a fixed function of p.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`minivllm bench`: the workloads' totals, the memory floor, and one end-to-end run."""
+"""`minivllm bench`: the workloads' totals, the memory floor, and end-to-end runs (with
+benchmarks/grammar.py, which reads the structured-outputs workload)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import sys
 
 import pytest
 
-from minivllm.frontend.arg_utils import EngineArgs
-from minivllm.frontend.bench.floor import ExpertTraffic, memory_floor
-from minivllm.frontend.bench.geometry import (
+from minivllm.benchmarks.floor import ExpertTraffic, memory_floor
+from minivllm.benchmarks.geometry import (
     GEOMETRIES,
     expert_parameters,
     num_parameters,
@@ -20,7 +20,8 @@ from minivllm.frontend.bench.geometry import (
     weight_bytes,
     write_geometry,
 )
-from minivllm.frontend.bench.workloads import random_workload, reference_workload
+from minivllm.benchmarks.workloads import random_workload, reference_workload
+from minivllm.frontend.arg_utils import EngineArgs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,7 +70,7 @@ def test_quantized_weight_bytes():
 
 def test_bench_quantized_end_to_end():
     """Dummy weights of the CPU geometry in FP8 blocks: the throughput run, and the top-1
-    agreement of FP8 weights with the same weights in float32."""
+    agreement of FP8 weights with the same weights in float32 (benchmarks/kv_accuracy.py)."""
     env = {**os.environ, "PYTHONPATH": _REPO}
     base = [sys.executable, "-m", "minivllm.frontend.cli", "bench"]
     common = ["--quantization", "fp8", "--device", "cpu", "--input-len", "32"]
@@ -79,7 +80,8 @@ def test_bench_quantized_end_to_end():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dtype float32, weights fp8" in proc.stdout
     assert "Total num output tokens:  32" in proc.stdout
-    cmd = base + ["kv-accuracy", *common, "--num-prompts", "2"]
+    cmd = [sys.executable, os.path.join(_REPO, "benchmarks", "kv_accuracy.py"), *common]
+    cmd += ["--num-prompts", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = re.search(r"^fp8 weights vs model dtype: top-1 agreement ([\d.]+)% of 64 positions",
@@ -194,7 +196,8 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert re.search(r"^json-schema: \d+ of 4 outputs completed the schema", proc.stdout, re.M)
     assert re.search(r"^json-schema: \d+ output tok/s = [\d.]+% of plain$", proc.stdout, re.M)
 
-    cmd = base + ["grammar", "--model", qwen3_dir, "--tokenizer", qwen3_dir, "--device", "cpu"]
+    cmd = [sys.executable, os.path.join(_REPO, "benchmarks", "grammar.py"), "--model", qwen3_dir]
+    cmd += ["--tokenizer", qwen3_dir, "--device", "cpu"]
     cmd += ["--rows", "8", "--steps", "4", "--num-requests", "8", "--input-len", "16"]
     cmd += ["--output-len", "48", "--num-new-schemas", "3"]
     trace = {"MINIVLLM_STEP_TRACE": str(tmp_path / "trace.jsonl")}
@@ -202,7 +205,18 @@ def test_bench_structured_outputs_end_to_end(qwen3_dir: str, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the 8-field schema compiled in" in proc.stdout
     assert re.search(r"^  fill +[\d.]+ +[\d.]+$", proc.stdout, re.M), proc.stdout
-    assert (tmp_path / "trace.jsonl").exists()
+    # the trace's summary, by the script that reads it
+    cmd = [
+        sys.executable,
+        os.path.join(_REPO, "benchmarks", "trace.py"),
+        trace["MINIVLLM_STEP_TRACE"],
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(
+        r"^\d+ steps, [\d.]+ s from the first launch to the last output$", proc.stdout, re.M
+    )
+    assert re.search(r"^grammar bitmask: \d+ steps; sent ", proc.stdout, re.M), proc.stdout
 
 
 def test_bench_latency_with_a_speculative_config(qwen3_dir: str, tmp_path):

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from minivllm.exceptions import EngineStartupError
-from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import EngineCoreInfo, SchedulerStats, UtilityMethod
 

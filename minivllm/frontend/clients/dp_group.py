@@ -20,13 +20,13 @@ from typing import Any, Self
 
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError, EngineStartupError
-from minivllm.frontend.core_launch import EngineCoreLaunch
-from minivllm.frontend.dp_attach import attach_all, merge_scheduler_stats
-from minivllm.frontend.dp_failover import Failover
-from minivllm.frontend.dp_placement import engine_configs
-from minivllm.frontend.dp_restart import EngineCoreRestarts
-from minivllm.frontend.dp_router import DPRouter
-from minivllm.frontend.mp_client import _MPClient
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.dp_attach import attach_all, merge_scheduler_stats
+from minivllm.frontend.clients.dp_failover import Failover
+from minivllm.frontend.clients.dp_placement import engine_configs
+from minivllm.frontend.clients.dp_restart import EngineCoreRestarts
+from minivllm.frontend.clients.dp_router import DPRouter
+from minivllm.frontend.clients.mp_client import _MPClient
 from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.protocol.auth import CurveClientKeys
 from minivllm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats

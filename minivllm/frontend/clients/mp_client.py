@@ -29,8 +29,8 @@ import zmq.asyncio
 
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.exceptions import EngineDeadError, EngineStartupError
-from minivllm.frontend.core_client import EngineCoreClient
-from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.core_client import EngineCoreClient
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
 from minivllm.frontend.handshake_model import attached_model
 from minivllm.frontend.tokenizer import Tokenizer
 from minivllm.process_utils import describe_exit

@@ -1,5 +1,5 @@
-"""`minivllm bench trace FILE`: where a run's time went, step by step, from the engine's step
-trace (`MINIVLLM_STEP_TRACE=FILE minivllm bench throughput ...` writes one).
+"""`python benchmarks/trace.py FILE`: where a run's time went, step by step, from the
+engine's step trace (`MINIVLLM_STEP_TRACE=FILE minivllm bench throughput ...` writes one).
 
 Each step's time is the gap between its output being applied and the previous step's (the
 engine's throughput clock); steps are grouped into those carrying prompt tokens and
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from minivllm.benchmarks import run_script
 
 _DECODE_BUCKETS = (8, 32, 64, 128, 192, 256, 1 << 30)
 
@@ -63,3 +65,7 @@ def main(args: argparse.Namespace) -> dict[str, list[float]]:
             f"{gaps[int(0.99 * (len(gaps) - 1))]:.2f} ms (p99) after the step before was applied"
         )
     return groups
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

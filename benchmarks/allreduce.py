@@ -1,8 +1,8 @@
-"""`minivllm bench allreduce`: all-reduce latency on 2 GPUs: NCCL against the Triton
+"""`python benchmarks/allreduce.py`: all-reduce latency on 2 GPUs: NCCL against the Triton
 one-shot kernel over symmetric memory (minivllm.worker.distributed.triton_all_reduce), each
 eager and replayed in a CUDA graph.
 
-    minivllm bench allreduce
+    python benchmarks/allreduce.py
 
 bf16 messages from 16 KiB to 8 MiB (a TP=2 decode step of 256 sequences at hidden 4096
 all-reduces 2 MiB). Each path's result is checked against the NCCL sum, eager and after a
@@ -31,6 +31,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from minivllm.benchmarks import run_script
 
 SIZES = [16 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 METHODS = ("nccl", "triton")
@@ -242,3 +244,7 @@ def main(args: argparse.Namespace) -> NoReturn:
         NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
     )
     raise SystemExit(launch())
+
+
+if __name__ == "__main__":
+    run_script(__doc__, None, main)

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from minivllm.config import EngineConfig, resolve_device
-from minivllm.frontend.bench import structured
-from minivllm.frontend.bench.common import (
+from minivllm.benchmarks import structured
+from minivllm.benchmarks.common import (
     add_bench_args,
     max_token_id,
     model_dir,
@@ -45,19 +44,21 @@ from minivllm.frontend.bench.common import (
     start_llm,
     token_prompts,
 )
-from minivllm.frontend.bench.floor import ExpertTraffic, measure_copy_bandwidth, memory_floor
-from minivllm.frontend.bench.geometry import (
+from minivllm.benchmarks.floor import ExpertTraffic, measure_copy_bandwidth, memory_floor
+from minivllm.benchmarks.geometry import (
     bytes_per_weight,
     expert_parameters,
     sparse_layers,
     weight_bytes,
 )
-from minivllm.frontend.bench.workloads import (
+from minivllm.benchmarks.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
     random_workload,
     reference_workload,
 )
+from minivllm.config import EngineConfig
+from minivllm.devices import resolve_device
 from minivllm.gguf_file import pretrained_args
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.structured_outputs import StructuredOutputsParams

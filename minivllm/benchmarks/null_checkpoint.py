@@ -1,5 +1,10 @@
 """A model directory for the null model (no forward pass) with a real BPE tokenizer, so an
-engine run measures everything around the model, detokenization included."""
+engine run measures everything around the model, detokenization included; and the null
+model's registration, which this module makes (the model is no part of the engine: the
+engine loads it as any model from outside the package, through `ModelRegistry`).
+
+A process started on its own (`minivllm serve DIR`, `minivllm engine-core --model DIR`)
+registers it as a plugin, `NULL_MODEL_PLUGIN` in MINIVLLM_PLUGINS (`null_model_env`)."""
 
 from __future__ import annotations
 
@@ -7,9 +12,28 @@ import importlib
 import inspect
 import json
 import os
+from collections.abc import Mapping
 
+from minivllm.model_registry import ModelRegistry
+
+NULL_ARCHITECTURE = "MiniVllmNullForCausalLM"
+NULL_MODEL_PLUGIN = "minivllm.benchmarks.null_checkpoint:register_null_model"
 NULL_VOCAB_SIZE = 4096
 _CORPUS_MODULES = ("argparse", "json.decoder", "textwrap", "string", "difflib", "pprint")
+
+
+def register_null_model() -> None:
+    """config.json's `architectures: ["MiniVllmNullForCausalLM"]` loads the null model."""
+    ModelRegistry.register_model(
+        NULL_ARCHITECTURE, "minivllm.benchmarks.null_model:NullForCausalLM"
+    )
+
+
+def null_model_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the null model's plugin added to its MINIVLLM_PLUGINS: the environment of a
+    process started on its own (a `minivllm` command) that is to load the null model."""
+    plugins = [p for p in env.get("MINIVLLM_PLUGINS", "").split(",") if p]
+    return {**env, "MINIVLLM_PLUGINS": ",".join([*plugins, NULL_MODEL_PLUGIN])}
 
 
 def train_tokenizer(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> int:
@@ -38,9 +62,10 @@ def train_tokenizer(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> int:
 
 def build_null_checkpoint(out_dir: str, vocab_size: int = NULL_VOCAB_SIZE) -> str:
     """A tokenizer (`train_tokenizer`) plus the null model's config.json with a vocabulary
-    of the same size; returns out_dir."""
+    of the same size, the null model registered in this process; returns out_dir."""
+    register_null_model()
     config = {
-        "architectures": ["MiniVllmNullForCausalLM"],
+        "architectures": [NULL_ARCHITECTURE],
         "vocab_size": train_tokenizer(out_dir, vocab_size),
         # a KV cache of 16 bytes per token: the engine keeps its block bookkeeping
         "num_hidden_layers": 1,

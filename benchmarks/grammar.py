@@ -1,12 +1,12 @@
-"""`minivllm bench grammar --tokenizer DIR`: what structured outputs cost the engine-core, at a
-real vocabulary (Qwen3's: benchmarks/qwen3_tokenizer.py builds it offline).
+"""`python benchmarks/grammar.py --tokenizer DIR`: what structured outputs cost the
+engine-core, at a real vocabulary (Qwen3's: benchmarks/qwen3_tokenizer.py builds it offline).
 
 1. Host work per step, piece by piece, for --rows requests under the JSON schema of
-   `bench throughput --structured-outputs` (each matcher walked by random allowed tokens, so
-   the rows sit in different states): advancing the matchers by one token each, filling the
-   bitmask, and the bitmask's trip through the wire encoding and a ZMQ ipc socket into a
-   host buffer. This is what stands between step N's tokens and step N+1's bitmask reaching
-   the workers, who run N+1's forward meanwhile.
+   `minivllm bench throughput --structured-outputs` (each matcher walked by random allowed
+   tokens, so the rows sit in different states): advancing the matchers by one token each,
+   filling the bitmask, and the bitmask's trip through the wire encoding and a ZMQ ipc socket
+   into a host buffer. This is what stands between step N's tokens and step N+1's bitmask
+   reaching the workers, who run N+1's forward meanwhile.
 2. Does compiling a new grammar stall the steps? --num-requests requests decode (half under
    that schema, compiled in a warm-up, half free) while, every 100 ms, one more arrives with
    a JSON schema never seen before, compiled on the engine-core's threads meanwhile. From the
@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from minivllm import EngineArgs, SamplingParams, StructuredOutputsParams, envs
-from minivllm.frontend.bench.common import add_model_args, model_dir
-from minivllm.frontend.bench.structured import SCHEMA
+from minivllm.benchmarks import run_script
+from minivllm.benchmarks.common import add_model_args, model_dir
+from minivllm.benchmarks.structured import SCHEMA
 from minivllm.frontend.llm_engine import LLMEngine
 
 
@@ -221,3 +222,7 @@ def compare_steps(path: str, num_requests: int) -> dict[str, float]:
     for r in rows[max(0, first - 4) : first + 12]:
         print(f"  {r[0]:10.1f} {r[1]:5d} {r[2]:3d} {r[3]:8.2f}")
     return {f"excess_{k}_ms": v for k, v in excess.items()} | {"quiet_median_ms": base}
+
+
+if __name__ == "__main__":
+    run_script(__doc__, add_arguments, main)

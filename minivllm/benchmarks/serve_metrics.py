@@ -61,65 +61,12 @@ def summarize(
 ) -> dict[str, Any]:
     """Print vLLM's result table and return its result dict."""
     ok = [r for r in results if r.success]
-    failed = [r for r in results if not r.success]
-    if failed:
-        print("Failed requests during benchmark run detected (capping to 10):")
-        for i, r in enumerate(failed[:10]):
-            print(f"Error {i}: {r.error}")
-    total_input = sum(r.prompt_len for r in ok)
-    total_output = sum(r.output_tokens for r in ok)
-    values = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-        "itl": [gap for r in ok for gap in r.itl],
-        "e2el": [r.latency for r in ok],
-    }
-    peak_tokens, peak_concurrency = _peaks(ok)
-    result: dict[str, Any] = {
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(failed),
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": total_output / duration,
-        "total_token_throughput": (total_input + total_output) / duration,
-        "max_output_tokens_per_s": peak_tokens,
-        "max_concurrent_requests": peak_concurrency,
-    }
-    lines = [
-        "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
-        _line("Successful requests:", len(ok)),
-        _line("Failed requests:", len(failed)),
-    ]
-    if max_concurrency is not None:
-        lines.append(_line("Maximum request concurrency:", max_concurrency))
-    if request_rate != float("inf"):
-        lines.append(_line("Request rate configured (RPS):", float(request_rate)))
-    lines += [
-        _line("Benchmark duration (s):", float(duration)),
-        _line("Total input tokens:", total_input),
-        _line("Total generated tokens:", total_output),
-        _line("Request throughput (req/s):", result["request_throughput"]),
-        _line("Output token throughput (tok/s):", result["output_throughput"]),
-        _line("Peak output token throughput (tok/s):", peak_tokens),
-        _line("Peak concurrent requests:", float(peak_concurrency)),
-        _line("Total token throughput (tok/s):", result["total_token_throughput"]),
-    ]
+    _print_failures([r for r in results if not r.success])
+    result = _throughputs(ok, len(results) - len(ok), duration)
+    lines = _throughput_lines(result, max_concurrency, request_rate)
+    latencies = _latencies(ok)
     for key in metrics:
-        name, header = METRICS[key]
-        data = values[key] or [0.0]
-        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        for label, stat in (("Mean", np.mean), ("Median", np.median)):
-            value = float(stat(data)) * 1000
-            lines.append(_line(f"{label} {name} (ms):", value))
-            result[f"{label.lower()}_{key}_ms"] = value
-        result[f"std_{key}_ms"] = float(np.std(data)) * 1000
-        for p in percentiles:
-            word = str(int(p)) if int(p) == p else str(p)
-            value = float(np.percentile(data, p)) * 1000
-            lines.append(_line(f"P{word} {name} (ms):", value))
-            result[f"p{word}_{key}_ms"] = value
+        lines += _latency_lines(key, latencies[key], percentiles, result)
     lines.append("=" * 50)
     print("\n".join(lines), flush=True)
     result.update(
@@ -133,6 +80,85 @@ def summarize(
         errors=[r.error for r in results],
     )
     return result
+
+
+def _print_failures(failed: list[RequestResult]) -> None:
+    if failed:
+        print("Failed requests during benchmark run detected (capping to 10):")
+        for i, r in enumerate(failed[:10]):
+            print(f"Error {i}: {r.error}")
+
+
+def _throughputs(ok: list[RequestResult], failed: int, duration: float) -> dict[str, Any]:
+    total_input = sum(r.prompt_len for r in ok)
+    total_output = sum(r.output_tokens for r in ok)
+    peak_tokens, peak_concurrency = _peaks(ok)
+    return {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": failed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "max_output_tokens_per_s": peak_tokens,
+        "max_concurrent_requests": peak_concurrency,
+    }
+
+
+def _throughput_lines(
+    result: dict[str, Any], max_concurrency: int | None, request_rate: float
+) -> list[str]:
+    lines = [
+        "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+        _line("Successful requests:", result["completed"]),
+        _line("Failed requests:", result["failed"]),
+    ]
+    if max_concurrency is not None:
+        lines.append(_line("Maximum request concurrency:", max_concurrency))
+    if request_rate != float("inf"):
+        lines.append(_line("Request rate configured (RPS):", float(request_rate)))
+    return lines + [
+        _line("Benchmark duration (s):", float(result["duration"])),
+        _line("Total input tokens:", result["total_input_tokens"]),
+        _line("Total generated tokens:", result["total_output_tokens"]),
+        _line("Request throughput (req/s):", result["request_throughput"]),
+        _line("Output token throughput (tok/s):", result["output_throughput"]),
+        _line("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]),
+        _line("Peak concurrent requests:", float(result["max_concurrent_requests"])),
+        _line("Total token throughput (tok/s):", result["total_token_throughput"]),
+    ]
+
+
+def _latencies(ok: list[RequestResult]) -> dict[str, list[float]]:
+    """Seconds, per metric of METRICS."""
+    return {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+
+
+def _latency_lines(
+    key: str, seconds: list[float], percentiles: list[float], result: dict[str, Any]
+) -> list[str]:
+    """One metric's section of the table; its figures (ms) go into `result`."""
+    name, header = METRICS[key]
+    data = seconds or [0.0]
+    lines = ["{s:{c}^{n}}".format(s=header, n=50, c="-")]
+    for label, stat in (("Mean", np.mean), ("Median", np.median)):
+        value = float(stat(data)) * 1000
+        lines.append(_line(f"{label} {name} (ms):", value))
+        result[f"{label.lower()}_{key}_ms"] = value
+    result[f"std_{key}_ms"] = float(np.std(data)) * 1000
+    for p in percentiles:
+        word = str(int(p)) if int(p) == p else str(p)
+        value = float(np.percentile(data, p)) * 1000
+        lines.append(_line(f"P{word} {name} (ms):", value))
+        result[f"p{word}_{key}_ms"] = value
+    return lines
 
 
 def plot(

@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from minivllm.frontend.bench.common import max_token_id
-from minivllm.frontend.bench.serve_metrics import METRICS, RequestResult, plot, summarize
-from minivllm.frontend.bench.workloads import (
+from minivllm.benchmarks.common import max_token_id
+from minivllm.benchmarks.serve_metrics import METRICS, RequestResult, plot, summarize
+from minivllm.benchmarks.workloads import (
     REFERENCE_TEMPERATURE,
     Workload,
     random_workload,

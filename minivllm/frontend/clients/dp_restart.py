@@ -14,7 +14,7 @@ import logging
 import time
 
 from minivllm.config import EngineConfig
-from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
 from minivllm.process_utils import describe_exit
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from minivllm.frontend.bench.common import (
+from minivllm.benchmarks.common import (
     add_bench_args,
     max_token_id,
     model_dir,
@@ -22,7 +22,7 @@ from minivllm.frontend.bench.common import (
     start_llm,
     token_prompts,
 )
-from minivllm.frontend.bench.workloads import random_workload
+from minivllm.benchmarks.workloads import random_workload
 from minivllm.protocol.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
