@@ -33,7 +33,7 @@ def build_checkpoint(out_dir: str) -> str:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from minivllm.frontend.bench.null_checkpoint import train_tokenizer
+    from minivllm.benchmarks.null_checkpoint import train_tokenizer
 
     vocab = train_tokenizer(out_dir, 4096)
     config = Qwen3Config(

@@ -162,8 +162,8 @@ def kill_run(
 
 def main() -> int:
     from minivllm import LLM
-    from minivllm.frontend.bench.geometry import write_geometry
-    from minivllm.frontend.bench.workloads import reference_workload
+    from minivllm.benchmarks.geometry import write_geometry
+    from minivllm.benchmarks.workloads import reference_workload
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -13,7 +13,10 @@ BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}  # the scripts import this tree's minivllm
 B="python -m minivllm.frontend.cli bench"
+S="python $ROOT/benchmarks"  # the scripts: $S/NAME.py
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests fp8 prefix bf16 bf16 latency step step1 kernels accuracy)
 TESTS=${TESTS:-tests/worker/test_triton_attention.py tests/worker/test_triton_ops.py \
@@ -46,17 +49,17 @@ for step in "${STEPS[@]}"; do
                 MINIVLLM_STEP_TRACE="$OUT/trace_prefix_$cascade.jsonl" $B throughput \
                 --num-prompts 256 --input-len 64 --output-len 64 --prefix-len 2048 \
                 --temperature 0 --$cascade-cascade-attn
-            run "trace prefix $cascade" 20 $B trace "$OUT/trace_prefix_$cascade.jsonl"
+            run "trace prefix $cascade" 20 $S/trace.py "$OUT/trace_prefix_$cascade.jsonl"
         done ;;
     bf16)
         run bf16 150 env MINIVLLM_STEP_TRACE="$OUT/trace_bf16.jsonl" $B throughput
-        run "trace bf16" 20 $B trace "$OUT/trace_bf16.jsonl" ;;
+        run "trace bf16" 20 $S/trace.py "$OUT/trace_bf16.jsonl" ;;
     latency) run latency 150 $B latency --batch-size 1 --input-len 512 --output-len 128 \
         --num-iters-warmup 3 --num-iters 10 ;;
-    step) run step 120 $B step --prefill 512 --steps 20 --profile-sort cpu ;;
-    step1) run step1 120 $B step --num 1 --ctx 512 --steps 50 ;;
-    kernels) run kernels 150 $B kernels --only attention ;;
-    accuracy) run accuracy 120 $B kv-accuracy --calculate-kv-scales ;;
+    step) run step 120 $S/step.py --prefill 512 --steps 20 --profile-sort cpu ;;
+    step1) run step1 120 $S/step.py --num 1 --ctx 512 --steps 50 ;;
+    kernels) run kernels 150 $S/kernels.py --only attention ;;
+    accuracy) run accuracy 120 $S/kv_accuracy.py --calculate-kv-scales ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
         -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
         tests/worker/test_gpu_moe.py ;;
@@ -70,8 +73,8 @@ for step in "${STEPS[@]}"; do
     quant-throughput)  # the reference workload: FP8 block-wise >= 1.2x bf16's output tok/s
         run "throughput qwen3-8b bf16" 300 $B throughput --geometry qwen3-8b
         run "throughput qwen3-8b fp8" 300 $B throughput --geometry qwen3-8b --quantization fp8 ;;
-    quant-kernels) run quant-kernels 200 $B kernels --only quant ;;  # + Qwen3-30B-A3B's FP8 experts
-    quant-accuracy) run quant-accuracy 200 $B kv-accuracy --geometry qwen3-8b --quantization fp8 ;;
+    quant-kernels) run quant-kernels 200 $S/kernels.py --only quant ;;  # + Qwen3-30B-A3B's FP8 experts
+    quant-accuracy) run quant-accuracy 200 $S/kv_accuracy.py --geometry qwen3-8b --quantization fp8 ;;
     esac
 done
 

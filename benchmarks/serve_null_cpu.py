@@ -29,11 +29,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, _REPO)
-    from minivllm.frontend.bench import serve as bench_serve
-    from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+    from minivllm.benchmarks import serve as bench_serve
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint, null_model_env
     from minivllm.frontend.server.launch import ServerProcess
 
-    env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the server is a process on its own: the null model is its plugin
+    env = null_model_env(
+        {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    )
     with tempfile.TemporaryDirectory(prefix="minivllm-null-") as tmp:
         model = build_null_checkpoint(tmp)
         blocks = 2 * args.num_prompts * -(-(args.input_len + args.output_len) // 16)

@@ -37,7 +37,7 @@ TARGETS = {"2x2": 1.8, "4x4": 3.2}  # output tok/s against 1x1
 def _client(argv: list[str], barrier, results) -> None:
     """One client process: prepare, wait for the others, run, report."""
     sys.path.insert(0, _REPO)
-    from minivllm.frontend.bench import serve as bench_serve
+    from minivllm.benchmarks import serve as bench_serve
 
     cpu = [0.0]
 
@@ -101,7 +101,8 @@ def _load(url: str, model: str, args: argparse.Namespace) -> list[dict]:
 
 
 def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) -> dict:
-    from minivllm.frontend.bench import serve as bench_serve
+    from minivllm.benchmarks import serve as bench_serve
+    from minivllm.benchmarks.null_checkpoint import null_model_env
     from minivllm.frontend.server.launch import ServerProcess
 
     dp, api = (int(x) for x in config.split("x"))
@@ -109,7 +110,10 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
     server_args = [model, "--device", "cpu", "-dp", str(dp), "--api-server-count", str(api)]
     server_args += ["--max-num-seqs", str(args.max_concurrency)]
     server_args += ["--num-gpu-blocks-override", str(blocks), "--disable-uvicorn-access-log"]
-    env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the server is a process on its own: the null model is its plugin
+    env = null_model_env(
+        {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    )
     env["CUDA_VISIBLE_DEVICES"] = ""  # the null model on the host's cores, a GPU or not
     log = os.path.join(log_dir, f"server-{config}.log")
     started = time.perf_counter()
@@ -177,7 +181,7 @@ def main() -> int:
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     sys.path.insert(0, _REPO)
-    from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint
 
     out_dir = os.environ.get("OUT")
     machine = {

@@ -175,7 +175,7 @@ class BadPeer:
     def __init__(self, address: str, vocab: int) -> None:
         import zmq
 
-        from minivllm.frontend.mp_client import SyncMPClient
+        from minivllm.frontend.clients.mp_client import SyncMPClient
 
         self.rng = random.Random(7)
         self.vocab = vocab
@@ -242,116 +242,135 @@ def _held(samples: list[dict], baseline: dict, names: list[str]) -> bool:
 
 
 def driver_main(args: argparse.Namespace) -> int:
-    from minivllm.frontend.bench.null_checkpoint import build_null_checkpoint
-
     work = tempfile.mkdtemp(prefix="soak-")  # mode 700: the daemon's ipc socket lives here
-    model = build_null_checkpoint(os.path.join(work, "null"))
-    with open(os.path.join(model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    address = f"ipc://{work}/engine"
-    log = open(os.path.join(work, "clients.log"), "w")  # noqa: SIM115
-    daemon_log = open(os.path.join(work, "daemon.log"), "w")  # noqa: SIM115
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.frontend.cli", "engine-core", "--model", model]
-        + ["--address", address],
-        stdout=daemon_log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    while "engine-core listening" not in _read(daemon_log.name):
-        if daemon.poll() is not None:
-            raise SystemExit(f"the daemon exited: {_read(daemon_log.name)}")
-        time.sleep(0.5)
+    daemon, address, vocab = _start_daemon(work)
     worker = next(  # (not multiprocessing's resource tracker)
         c.pid
         for c in psutil.Process(daemon.pid).children()
         if "spawn_main" in " ".join(c.cmdline())
     )
+    log = open(os.path.join(work, "clients.log"), "w")  # noqa: SIM115
     streamers = [_start_client(address, vocab, "streamer", s, log) for s in (1, 2)]
     procs = {"engine-core": daemon.pid, "worker": worker, "driver": os.getpid()}
     procs |= {f"streamer-{i + 1}": p.pid for i, p in enumerate(streamers)}
     bad = BadPeer(address, vocab)
     print(f"soak: {args.minutes} min, warm-up {args.warmup_minutes} min; logs in {work}")
-    start = time.monotonic()
-    end = start + 60 * args.minutes
-    next_sample, next_crash = start, start + 5
-    samples: list[dict] = []
-    baseline = None
-    crasher, crash_at, crashes = None, 0.0, 0
-    stats: dict[str, dict] = {}
+    run = Run(args, procs, lambda seed: _start_client(address, vocab, "crasher", seed, log))
     try:
-        while True:
-            now = time.monotonic()
-            if now >= next_sample or now >= end:
-                if crasher is not None:  # sample between crashes: a live crasher's sockets
-                    _kill(crasher)  # and pipes are not what stays
-                    crasher, crashes, next_crash = None, crashes + 1, now + 10
-                    time.sleep(1.0)
-                samples.append(_sample(procs))
-                if now >= end:
-                    break
-                if baseline is None and now - start >= 60 * args.warmup_minutes:
-                    baseline = samples[-1]
-                next_sample += args.sample_every
-                m = (now - start) / 60
-                print(
-                    f"  {m:5.1f} min: "
-                    + ", ".join(
-                        f"{n} {samples[-1][n]['rss'] >> 20} MiB/{samples[-1][n]['fds']} fds"
-                        for n in procs
-                    ),
-                    flush=True,
-                )
-            if crasher is None and now >= next_crash:
-                crasher = _start_client(address, vocab, "crasher", 100 + crashes, log)
-                crash_at = now + random.uniform(1, 4)
-            if crasher is not None and now >= crash_at:
-                _kill(crasher)
-                crasher, crashes, next_crash = None, crashes + 1, now + 10
-            bad.once()
-            for i, s in enumerate(streamers):
-                if s.poll() is not None:
-                    raise SystemExit(f"streamer-{i + 1} exited with {s.returncode}")
-                for line in iter(s.stdout.readline, ""):
-                    stats[f"streamer-{i + 1}"] = json.loads(line)
-            time.sleep(1.0)
+        run.drive(streamers, bad)
     finally:
-        for s in [*streamers, *([crasher] if crasher else [])]:
+        for s in [*streamers, *([run.crasher] if run.crasher else [])]:
             s.kill()
             s.wait()
         bad.close()
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
-    if baseline is None:
-        baseline = samples[0]
-    names = list(procs)
-    total = {k: sum(s[k] for s in stats.values()) for k in next(iter(stats.values()))}
-    lines = _report(samples, baseline, names)
-    print("\n".join(lines))
+    return _summarize(args, run, bad, daemon.returncode)
+
+
+def _start_daemon(work: str) -> tuple[subprocess.Popen, str, int]:
+    """`minivllm engine-core` on the null model, listening: (its process, address, vocab)."""
+    from minivllm.benchmarks.null_checkpoint import build_null_checkpoint, null_model_env
+
+    model = build_null_checkpoint(os.path.join(work, "null"))
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    address = f"ipc://{work}/engine"
+    daemon_log = open(os.path.join(work, "daemon.log"), "w")  # noqa: SIM115
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    daemon = subprocess.Popen(  # a process on its own: the null model is its plugin
+        [sys.executable, "-m", "minivllm.frontend.cli", "engine-core", "--model", model]
+        + ["--address", address],
+        stdout=daemon_log,
+        stderr=subprocess.STDOUT,
+        env=null_model_env(env),
+    )
+    while "engine-core listening" not in _read(daemon_log.name):
+        if daemon.poll() is not None:
+            raise SystemExit(f"the daemon exited: {_read(daemon_log.name)}")
+        time.sleep(0.5)
+    return daemon, address, vocab
+
+
+class Run:
+    """The driver's loop and what it records: a sample of every process each
+    --sample-every seconds (the one after the warm-up is the baseline), a crashing client
+    every 10 s, bad requests and the streamers' counts every second."""
+
+    def __init__(self, args: argparse.Namespace, procs: dict[str, int], start_crasher) -> None:
+        self.args, self.procs, self.start_crasher = args, procs, start_crasher
+        self.start = time.monotonic()
+        self.end = self.start + 60 * args.minutes
+        self.next_sample, self.next_crash = self.start, self.start + 5
+        self.samples: list[dict] = []
+        self.baseline: dict | None = None
+        self.crasher: subprocess.Popen | None = None
+        self.crash_at, self.crashes = 0.0, 0
+        self.stats: dict[str, dict] = {}
+
+    def drive(self, streamers: list[subprocess.Popen], bad: BadPeer) -> None:
+        while True:
+            now = time.monotonic()
+            if (now >= self.next_sample or now >= self.end) and self._sample(now):
+                return
+            if self.crasher is None and now >= self.next_crash:
+                self.crasher = self.start_crasher(100 + self.crashes)
+                self.crash_at = now + random.uniform(1, 4)
+            if self.crasher is not None and now >= self.crash_at:
+                self._end_crasher(now)
+            bad.once()
+            for i, s in enumerate(streamers):
+                if s.poll() is not None:
+                    raise SystemExit(f"streamer-{i + 1} exited with {s.returncode}")
+                for line in iter(s.stdout.readline, ""):
+                    self.stats[f"streamer-{i + 1}"] = json.loads(line)
+            time.sleep(1.0)
+
+    def _end_crasher(self, now: float) -> None:
+        _kill(self.crasher)
+        self.crasher, self.crashes, self.next_crash = None, self.crashes + 1, now + 10
+
+    def _sample(self, now: float) -> bool:
+        """Record a sample; True once the run is over."""
+        if self.crasher is not None:  # sample between crashes: a live crasher's sockets
+            self._end_crasher(now)  # and pipes are not what stays
+            time.sleep(1.0)
+        self.samples.append(_sample(self.procs))
+        if now >= self.end:
+            return True
+        if self.baseline is None and now - self.start >= 60 * self.args.warmup_minutes:
+            self.baseline = self.samples[-1]
+        self.next_sample += self.args.sample_every
+        last = self.samples[-1]
+        print(
+            f"  {(now - self.start) / 60:5.1f} min: "
+            + ", ".join(f"{n} {last[n]['rss'] >> 20} MiB/{last[n]['fds']} fds" for n in self.procs),
+            flush=True,
+        )
+        return False
+
+
+def _summarize(args: argparse.Namespace, run: Run, bad: BadPeer, daemon_exit: int) -> int:
+    """Print the table and the streams' accounting; the exit status."""
+    samples, baseline = run.samples, run.baseline or run.samples[0]
+    names = list(run.procs)
+    total = {k: sum(s[k] for s in run.stats.values()) for k in next(iter(run.stats.values()))}
+    print("\n".join(_report(samples, baseline, names)))
     print(
         f"streams: {total['completed']} completed ({total['tokens']} tokens), "
         f"{total['cancelled']} cancelled; lost {total['lost']}, duplicated "
-        f"{total['duplicated']}, wrong {total['wrong']}; {crashes} client crashes; "
+        f"{total['duplicated']}, wrong {total['wrong']}; {run.crashes} client crashes; "
         f"{bad.refused} requests refused, {bad.garbage_sent} garbage frames; "
         f"/dev/shm total {max(s['shm_total'] for s in samples)} bytes at most; "
-        f"daemon exit {daemon.returncode}"
+        f"daemon exit {daemon_exit}"
     )
     held = _held(samples, baseline, names)
     clean = total["lost"] == total["duplicated"] == total["wrong"] == 0
     print(f"RSS and fds within 5% of warm-up: {held}; no lost or duplicated tokens: {clean}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "samples": samples,
-                    "baseline_t": baseline["t"],
-                    "streams": total,
-                    "crashes": crashes,
-                    "refused": bad.refused,
-                },
-                f,
-            )
+            figures = {"samples": samples, "baseline_t": baseline["t"], "streams": total}
+            json.dump({**figures, "crashes": run.crashes, "refused": bad.refused}, f)
     return 0 if held and clean else 1
 
 

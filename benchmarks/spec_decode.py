@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from minivllm import LLM, SamplingParams
-from minivllm.frontend.bench.common import spec_decode_figures
-from minivllm.frontend.bench.geometry import write_geometry
+from minivllm.benchmarks.common import spec_decode_figures
+from minivllm.benchmarks.geometry import write_geometry
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores the keys and values "

@@ -54,8 +54,8 @@ def main() -> None:
     phases: dict[str, float] = {"import torch": T_TORCH}
     print(f"{'import torch':>18}: {T_TORCH:7.2f} s", flush=True)
     _profiled("import minivllm", lambda: __import__("minivllm.worker.worker"), args.out, phases)
+    from minivllm.benchmarks.geometry import write_geometry
     from minivllm.config import EngineArgs
-    from minivllm.frontend.bench.geometry import write_geometry
     from minivllm.worker.worker import Worker
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from minivllm.frontend.async_llm import AsyncLLM  # noqa: F401 (re-exported)
     from minivllm.frontend.llm import LLM  # noqa: F401 (re-exported)
     from minivllm.frontend.llm_engine import LLMEngine  # noqa: F401 (re-exported)
+    from minivllm.model_registry import ModelRegistry  # noqa: F401 (re-exported)
     from minivllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: F401 (re-exported)
     from minivllm.protocol.auth import CurveClientKeys  # noqa: F401 (re-exported)
     from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401 (re-exported)
@@ -28,6 +29,7 @@ _EXPORTS = {
     "AsyncLLM": "minivllm.frontend.async_llm",
     "LLMEngine": "minivllm.frontend.llm_engine",
     "EngineArgs": "minivllm.config",
+    "ModelRegistry": "minivllm.model_registry",
     "SamplingParams": "minivllm.protocol.sampling_params",
     "RequestOutputKind": "minivllm.protocol.sampling_params",
     "StructuredOutputsParams": "minivllm.protocol.structured_outputs",

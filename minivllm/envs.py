@@ -24,6 +24,7 @@ the variable.
 | MINIVLLM_RAY_PLACEMENT_TIMEOUT   | 120     | seconds the Ray cluster may take to place an engine-core's workers |
 | MINIVLLM_GRAMMAR_CACHE_MB        | 512     | compiled structured-output grammars the engine-core keeps, in MB |
 | MINIVLLM_GRAMMAR_COMPILE_TIMEOUT | 60      | seconds a grammar may compile before its request fails |
+| MINIVLLM_PLUGINS                 | unset   | `module:function,...`: called once in every process before it reads the model registry (`model_registry.py`) |
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ _grammar_cache_mb = _number("MINIVLLM_GRAMMAR_CACHE_MB", 512)
 
 def grammar_cache_bytes() -> int:
     return int(_grammar_cache_mb() * (1 << 20))
+
+
+def plugins() -> list[str]:
+    return [p.strip() for p in os.environ.get("MINIVLLM_PLUGINS", "").split(",") if p.strip()]
 
 
 def pdl_enabled() -> bool:

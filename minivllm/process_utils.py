@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minivllm.model_registry import ModelRegistry
 from minivllm.protocol import transport
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ def die_with_parent(
 def spawn(
     target: Callable[..., Any], kwargs: dict[str, Any], name: str
 ) -> tuple[BaseProcess, Connection, Connection]:
-    """Start `target(**kwargs, ready_pipe=..., death_pipe=...)` in a fresh (spawned) process.
+    """Start `target(**kwargs, ready_pipe=..., death_pipe=...)` in a fresh (spawned) process,
+    which starts with this process's model registrations (`ModelRegistry`: a spawned process
+    shares none of this one's memory).
 
     Returns the process, the read end of its ready pipe (the child reports its startup there)
     and the write end of its death pipe (keep it open while the child should live).
@@ -70,7 +73,8 @@ def spawn(
     ready_r, ready_w = ctx.Pipe(duplex=False)
     death_r, death_w = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=target,
+        target=_start_child,
+        args=(target, ModelRegistry.registered()),
         kwargs={**kwargs, "ready_pipe": ready_w, "death_pipe": death_r},
         name=name,
         daemon=False,
@@ -80,6 +84,11 @@ def spawn(
     ready_w.close()
     death_r.close()
     return proc, ready_r, death_w
+
+
+def _start_child(target: Callable[..., Any], models: dict[str, str], /, **kwargs: Any) -> None:
+    ModelRegistry.restore(models)
+    target(**kwargs)
 
 
 @contextlib.contextmanager

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minivllm import rope_config
+from minivllm.model_config import ModelConfig, check_moe_sharding
 
 if TYPE_CHECKING:
-    from minivllm.config import EngineArgs, ModelConfig
+    from minivllm.config import EngineArgs
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a verification step samples at most 1 + this many rows per request
@@ -111,8 +112,7 @@ def resolve_speculative_config(
 
 
 def _draft_model_config(model: str, args: EngineArgs, target: ModelConfig) -> ModelConfig:
-    from minivllm.config import EngineArgs as Args
-    from minivllm.config import check_moe_sharding
+    from minivllm.config import EngineArgs as Args  # config.py imports this module
 
     if not os.path.exists(model):
         raise ValueError(f"speculative_config.model: no such directory or file: {model!r}")

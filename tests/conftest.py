@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from minivllm.benchmarks.null_checkpoint import null_model_env
 from tests.tiny_models import (
     LONGROPE_ORIGINAL_LEN,
     build_checkpoint,
@@ -116,3 +117,6 @@ def qwen3_dir(tiny_models: dict[str, str]) -> str:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The null model (minivllm/benchmarks/null_model.py) is the suite's engine without a model:
+# every process the tests start, commands and daemons included, registers it as a plugin.
+os.environ.update(null_model_env(os.environ))

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from minivllm.benchmarks.null_checkpoint import NULL_ARCHITECTURE
+
 VOCAB_SIZE = 384
 
 _CORPUS = [
@@ -278,10 +280,11 @@ def _rewrite_config(path: str, drop: tuple[str, ...] = (), **values: object) -> 
 
 
 def build_null_checkpoint(out_dir: str, **extra_config: object) -> str:
-    """A config.json for the null model (no weights) plus the tiny tokenizer."""
+    """A config.json for the null model (no weights) plus the tiny tokenizer. The null model
+    is registered in every process of the tests (tests/conftest.py)."""
     os.makedirs(out_dir, exist_ok=True)
     config = {
-        "architectures": ["MiniVllmNullForCausalLM"],
+        "architectures": [NULL_ARCHITECTURE],
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 8,
         "num_hidden_layers": 1,

@@ -6,7 +6,7 @@ per rank (a GPU and a CPU, or a CPU), packed onto as few nodes as fit. Everythin
 `MultiprocExecutor`'s: the same msgspec frames over ZeroMQ (here tcp on this node's
 address, which the actors connect to), tensors between ranks over torch.distributed (rank 0
 hosts the rendezvous store on its node's address). The actors get the config as msgpack
-bytes and the socket addresses as strings; nothing of ours is pickled.
+bytes, the model registrations and socket addresses as strings; nothing of ours is pickled.
 
 A dead rank: its actor's `run` call fails (Ray reports the actor's death to its owner, this
 engine-core), the poll that finds no step result sees it, and the engine fails as with a
@@ -28,6 +28,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine_core.multiproc_executor import MultiprocExecutor
 from minivllm.exceptions import EngineStartupError
 from minivllm.logging_utils import configure_process_logging
+from minivllm.model_registry import ModelRegistry
 from minivllm.protocol import transport
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ _FORWARDED_ENV = ("MINIVLLM_", "NCCL_", "GLOO_", "TORCH_", "NVSHMEM_", "OMP_", "
 class RayWorker:
     """The actor hosting one worker rank: `run` is the worker loop of a worker process."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], models: dict[str, str]) -> None:
         os.environ.update(env)  # before torch loads (OpenMP reads its settings then)
+        ModelRegistry.restore(models)  # the engine-core's (a spawned process's, see spawn)
 
     def pid(self) -> int:
         return os.getpid()
@@ -116,7 +118,7 @@ class RayExecutor(MultiprocExecutor):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=rank
                 ),
-            ).remote(env)
+            ).remote(env, ModelRegistry.registered())
             self.actors.append(actor)
             self.runs.append(actor.run.remote(config, rank, addr, result_addr))
 

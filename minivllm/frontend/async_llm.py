@@ -12,11 +12,11 @@ from concurrent.futures import Future
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError, EngineDeadError
-from minivllm.frontend.dp_client import DPAsyncClient, attach_client, make_client
-from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
+from minivllm.frontend.clients.dp_client import DPAsyncClient, attach_client, make_client
+from minivllm.frontend.clients.dp_group import DEFAULT_FAILOVER_LIMIT
+from minivllm.frontend.clients.mp_client import AsyncMPClient
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.metrics.stats import StatLogger, StatsCollector
-from minivllm.frontend.mp_client import AsyncMPClient
 from minivllm.frontend.output_processor import OutputProcessor, RequestOutputCollector
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer
 from minivllm.outputs import RequestOutput

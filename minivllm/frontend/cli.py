@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_core(sub)
     _add_keygen(sub)
-    from minivllm.frontend.bench import add_bench_parser
+    from minivllm.benchmarks import add_bench_parser
     from minivllm.frontend.server.serve import add_serve_parser
 
     add_serve_parser(sub)

@@ -8,7 +8,8 @@ arrives. Two decoders give the same text:
   a short window of ids (~0.85 µs per token).
 - `ByteLevelDecoder`, for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen): every token is a
   fixed byte string, so a table lookup and Python's incremental UTF-8 decoder replace the
-  Rust call (~0.3 µs per token; `bench overhead` streams 256 x 512 tokens ~7% faster with it).
+  Rust call (~0.3 µs per token; `benchmarks/overhead.py` streams 256 x 512 tokens ~7% faster
+  with it).
 
 Stop strings are searched in the new text only (plus the tail that a stop string could
 straddle), and that tail is held back from streamed output until it is known not to start a

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from minivllm.config import EngineArgs
-from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
+from minivllm.frontend.clients.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput

@@ -6,9 +6,9 @@ from concurrent.futures import Future
 
 from minivllm.config import EngineArgs, EngineConfig, ModelConfig
 from minivllm.exceptions import EngineCoreDeadError
-from minivllm.frontend.core_client import EngineCoreClient, InprocClient
-from minivllm.frontend.dp_client import attach_client, make_client
-from minivllm.frontend.dp_group import DEFAULT_FAILOVER_LIMIT
+from minivllm.frontend.clients.core_client import EngineCoreClient, InprocClient
+from minivllm.frontend.clients.dp_client import attach_client, make_client
+from minivllm.frontend.clients.dp_group import DEFAULT_FAILOVER_LIMIT
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.output_processor import OutputProcessor
 from minivllm.frontend.tokenizer import Tokenizer, load_tokenizer_meanwhile, resolve_tokenizer

@@ -18,7 +18,7 @@ import sys
 import uvloop
 
 from minivllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
-from minivllm.worker.models.null_model import NullForCausalLM
+from minivllm.benchmarks.null_model import NullForCausalLM
 from tests.process_helpers import spawned_children
 
 FAIL_AT = 200

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.frontend.mp_client import SyncMPClient
+from minivllm.frontend.clients.mp_client import SyncMPClient
 from minivllm.protocol.messages import UtilityMethod
 from tests.process_helpers import python_env, wait_for_ipc_socket
 

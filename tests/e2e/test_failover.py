@@ -80,7 +80,7 @@ def test_generate_loses_no_token_when_a_core_is_killed(qwen3_dir: str, caplog) -
         before = client.balance()
         killer = _Killer(client, engine=1, after=before[1]["output_tokens"] + 100)
         killer.start()
-        with caplog.at_level(logging.WARNING, logger="minivllm.frontend.dp_group"):
+        with caplog.at_level(logging.WARNING, logger="minivllm.frontend.clients.dp_group"):
             outputs = llm.generate(PROMPTS, _params(), use_tqdm=False)
         killer.join()
         after = client.balance()

@@ -138,7 +138,7 @@ def test_connected_daemons_fail_over_and_a_request_fails_on_its_second_death(
         return first, second, held, waits
 
     try:
-        with caplog.at_level(logging.WARNING, logger="minivllm.frontend.dp_group"):
+        with caplog.at_level(logging.WARNING, logger="minivllm.frontend.clients.dp_group"):
             first, second, held, waits = uvloop.run(main())
         stats = llm.client.failover.stats
     finally:

@@ -13,7 +13,7 @@ import pytest
 import uvloop
 
 from minivllm import LLM, AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
-from minivllm.frontend.mp_client import SyncMPClient
+from minivllm.frontend.clients.mp_client import SyncMPClient
 from minivllm.protocol.messages import UtilityMethod
 from tests.e2e.daemon import Daemon
 from tests.engine_core.test_spec_decode import loop_prompts

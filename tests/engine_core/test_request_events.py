@@ -5,7 +5,7 @@ next output."""
 from __future__ import annotations
 
 from minivllm.protocol.messages import EngineCoreEventType
-from tests.engine_core.test_scheduler import FakeRunner, make_request, make_scheduler
+from tests.engine_core.scheduler_harness import FakeRunner, make_request, make_scheduler
 
 QUEUED, SCHEDULED, PREEMPTED = (
     EngineCoreEventType.QUEUED,

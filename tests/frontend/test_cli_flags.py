@@ -13,9 +13,9 @@ from importlib import metadata
 import pytest
 
 from minivllm import LLM, EngineArgs, SamplingParams
+from minivllm.benchmarks import add_bench_parser
 from minivllm.frontend import cli
 from minivllm.frontend.arg_utils import engine_args_from
-from minivllm.frontend.bench import add_bench_parser
 from minivllm.frontend.server.serve import add_serve_parser, load_chat_template
 from tests.server.conftest import server_env
 

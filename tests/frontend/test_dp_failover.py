@@ -9,8 +9,8 @@ import pytest
 
 from minivllm import EngineArgs, SamplingParams
 from minivllm.frontend import cli
-from minivllm.frontend.dp_failover import Failover
-from minivllm.frontend.dp_restart import MAX_BACKOFF_S, STABLE_S, EngineCoreRestarts
+from minivllm.frontend.clients.dp_failover import Failover
+from minivllm.frontend.clients.dp_restart import MAX_BACKOFF_S, STABLE_S, EngineCoreRestarts
 from minivllm.frontend.server.serve import add_serve_parser, build_state
 from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tests.tiny_models import build_null_checkpoint
@@ -77,7 +77,7 @@ def test_bad_failover_settings_are_refused(field: str, value: object, message: s
 
 def test_restart_back_off_doubles_and_starts_afresh_after_a_stable_run(monkeypatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("minivllm.frontend.dp_restart.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("minivllm.frontend.clients.dp_restart.time.monotonic", lambda: now[0])
     restarts = EngineCoreRestarts([None, None], backoff_s=5.0)
     delays = []
     for _ in range(8):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.frontend.dp_placement import gpu_slices
-from minivllm.frontend.dp_router import AFFINITY_SLACK, DPRouter
+from minivllm.frontend.clients.dp_placement import gpu_slices
+from minivllm.frontend.clients.dp_router import AFFINITY_SLACK, DPRouter
 from minivllm.protocol.messages import SchedulerStats
 
 

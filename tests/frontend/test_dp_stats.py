@@ -3,7 +3,7 @@ speculative decoding's per-position counters position by position, KV usage is t
 
 from __future__ import annotations
 
-from minivllm.frontend.dp_attach import merge_scheduler_stats
+from minivllm.frontend.clients.dp_attach import merge_scheduler_stats
 from minivllm.protocol.messages import SchedulerStats
 
 

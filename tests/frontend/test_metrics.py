@@ -210,7 +210,7 @@ def test_api_processes_report_failover_and_speculation_once(tmp_path) -> None:
     """Each API process's data-parallel client counts the same engine-core death and hears
     the engine's cumulative draft counts; the requests each moved are its own. Either
     process's scrape: the death once, the moves summed, the drafts not counted twice."""
-    from minivllm.frontend.dp_failover import FailoverStats
+    from minivllm.frontend.clients.dp_failover import FailoverStats
 
     def scrape(prom: PrometheusStatLogger) -> dict:
         text = generate_latest(prom.registry).decode()

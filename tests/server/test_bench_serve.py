@@ -89,7 +89,7 @@ def test_bench_serve_with_failing_requests_exits_non_zero(null_server) -> None:
 def test_bench_serve_names_a_tokenizer_it_cannot_read() -> None:
     import argparse
 
-    from minivllm.frontend.bench.serve import tokenizer_dir
+    from minivllm.benchmarks.serve import tokenizer_dir
 
     args = argparse.Namespace(tokenizer=None, model="served-name")
     with pytest.raises(SystemExit, match="'/srv/models/x' .* is not readable here.*--tokenizer"):

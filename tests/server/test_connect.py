@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from minivllm.frontend.mp_client import SyncMPClient
+from minivllm.frontend.clients.mp_client import SyncMPClient
 from tests.process_helpers import wait_for_ipc_socket
 from tests.server.conftest import server_env, stop_cleanly
 

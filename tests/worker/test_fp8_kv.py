@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
+from benchmarks.kv_accuracy import compare
 from minivllm.config import EngineArgs
 from minivllm.engine_core.engine_core import EngineCore
-from minivllm.frontend.bench.kv_accuracy import compare
 from minivllm.protocol.messages import EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.worker.attention.cpu_attention import CpuAttentionBackend

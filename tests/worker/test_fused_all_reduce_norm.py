@@ -95,120 +95,132 @@ def _fused_rank(rank: int, port: int) -> None:
         group = dist.group.WORLD
         comm = TritonAllReduce(group, device, FUSED_MAX_BYTES)  # raises with a reason
         tp = TPGroup(rank=rank, size=2, group=group, fast_all_reduce=comm)
+        _eager_cases(comm, tp, rank, device)
+        _declined_cases(comm, tp, rank, device)
+        _back_to_back(comm, rank, device)
+        _graph_replays(comm, rank, device)
 
-        # eager, through TPGroup: every case, a plain call of another size between
-        for i, (_, _, dtype, _) in enumerate(FUSED_CASES):
-            x, residual, weight = _fused_input(rank, i, 0, device)
-            assert comm.fits_rows(x, residual), FUSED_CASES[i]  # so TPGroup takes the kernel
-            before = [t.clone() for t in (x, residual) if t is not None]
-            got = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
-            _assert_bit_equal(got, _two_steps(comm, x, residual, weight), f"case {i}")
-            assert all(torch.equal(t, b) for t, b in zip((x, residual), before, strict=False))
-            for t in got:
-                _assert_alike_on_every_rank(t, f"case {i}")
-            s = _nccl_sum(x).float() + (0 if residual is None else residual.float())
-            torch.testing.assert_close(got[1], s.to(dtype), msg=f"case {i}: not the sum")
-            plain = _plain_input(rank, i % len(PLAIN_CASES), 0, device)
-            torch.testing.assert_close(comm.all_reduce(plain), _nccl_sum(plain))
 
-        # what the kernel declines goes to all_reduce, then the norm
-        case = FUSED_CASES.index((7, 1024, torch.bfloat16, True))
-        x, residual, _ = _fused_input(rank, case, 0, device)
-        assert residual is not None
-        wide = torch.randn(257, 4096, device=device)
-        odd = torch.empty(x.numel() + 8, dtype=x.dtype, device=device)[1 : x.numel() + 1]
-        declined = {
-            "strided": (x[:, ::2], None),
-            "hidden not a multiple of 16": (x[:, :1000].contiguous(), None),
-            "3-D": (x.view(7, 2, 512), None),
-            "above the buffer": (wide, None),
-            "misaligned": (odd.view(x.shape), residual),
-            "misaligned residual": (x, odd.view(x.shape)),
-            "residual of another dtype": (x, residual.float()),
-        }
-        for what, (y, r) in declined.items():
-            assert not comm.fits_rows(y, r), what
-        for y in (x[:, :1000].contiguous(), wide):  # to the Triton all_reduce, and to NCCL
-            w = torch.ones(y.shape[1], dtype=y.dtype, device=device)
-            ref = _nccl_sum(y)
-            normed, s = tp.all_reduce_add_rms_norm(y.clone(), None, w, EPS)
-            torch.testing.assert_close(s, ref)
-            torch.testing.assert_close(normed, rms_norm(ref, w, EPS))
+def _eager_cases(comm: TritonAllReduce, tp: TPGroup, rank: int, device: torch.device) -> None:
+    """Every case eagerly through TPGroup, a plain call of another size between."""
+    for i, (_, _, dtype, _) in enumerate(FUSED_CASES):
+        x, residual, weight = _fused_input(rank, i, 0, device)
+        assert comm.fits_rows(x, residual), FUSED_CASES[i]  # so TPGroup takes the kernel
+        before = [t.clone() for t in (x, residual) if t is not None]
+        got = tp.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        _assert_bit_equal(got, _two_steps(comm, x, residual, weight), f"case {i}")
+        assert all(torch.equal(t, b) for t, b in zip((x, residual), before, strict=False))
+        for t in got:
+            _assert_alike_on_every_rank(t, f"case {i}")
+        s = _nccl_sum(x).float() + (0 if residual is None else residual.float())
+        torch.testing.assert_close(got[1], s.to(dtype), msg=f"case {i}: not the sum")
+        plain = _plain_input(rank, i % len(PLAIN_CASES), 0, device)
+        torch.testing.assert_close(comm.all_reduce(plain), _nccl_sum(plain))
 
-        # back to back, fused and plain calls of changing sizes (so grids); rank 0 sometimes
-        # starts late, so either rank may be the one waiting
-        calls = []
-        for n in range(120):
-            if rank == 0 and n % 7 == 0:
-                torch.cuda._sleep(20_000 * (1 + n % 5))
-            if n % 3 == 2:
-                plain = _plain_input(rank, n % len(PLAIN_CASES), n, device)
-                calls.append((n, plain, comm.all_reduce(plain)))
-            else:
-                i = (5 * n) % len(FUSED_CASES)
-                inputs = _fused_input(rank, i, n, device)
-                calls.append((n, inputs, comm.all_reduce_add_rms_norm(*inputs, EPS)))
-        for n, inputs, got in calls:
-            if isinstance(inputs, tuple):
-                _assert_bit_equal(got, _two_steps(comm, *inputs), f"back-to-back call {n}")
-            else:
-                torch.testing.assert_close(got, _nccl_sum(inputs), msg=f"back-to-back call {n}")
 
-        # two CUDA graphs of fused and plain calls, replayed in changing orders over fresh
-        # inputs, with eager calls between
-        picks = [(1, 4096, torch.bfloat16, True), (7, 1024, torch.float32, False)]
-        picks += [(256, 4096, torch.bfloat16, True), (256, 1024, torch.float32, True)]
-        picks += [(7, 4096, torch.bfloat16, False), (1, 1024, torch.float32, True)]
-        graph_cases = [FUSED_CASES.index(c) for c in picks]
-        fused_in = {i: _fused_input(rank, i, 0, device) for i in graph_cases}
-        plain_in = {k: _plain_input(rank, k, 0, device) for k in range(len(PLAIN_CASES))}
-        plans = [  # per graph: ("fused", case) or ("plain", case)
-            [("fused", graph_cases[0]), ("plain", 1), ("fused", graph_cases[1])]
-            + [("plain", 3), ("fused", graph_cases[2]), ("fused", graph_cases[3])],
-            [("fused", graph_cases[4]), ("plain", 0), ("fused", graph_cases[5])]
-            + [("plain", 2), ("fused", graph_cases[2])],
+def _declined_cases(comm: TritonAllReduce, tp: TPGroup, rank: int, device: torch.device) -> None:
+    """What the kernel declines goes to all_reduce, then the norm."""
+    case = FUSED_CASES.index((7, 1024, torch.bfloat16, True))
+    x, residual, _ = _fused_input(rank, case, 0, device)
+    assert residual is not None
+    wide = torch.randn(257, 4096, device=device)
+    odd = torch.empty(x.numel() + 8, dtype=x.dtype, device=device)[1 : x.numel() + 1]
+    declined = {
+        "strided": (x[:, ::2], None),
+        "hidden not a multiple of 16": (x[:, :1000].contiguous(), None),
+        "3-D": (x.view(7, 2, 512), None),
+        "above the buffer": (wide, None),
+        "misaligned": (odd.view(x.shape), residual),
+        "misaligned residual": (x, odd.view(x.shape)),
+        "residual of another dtype": (x, residual.float()),
+    }
+    for what, (y, r) in declined.items():
+        assert not comm.fits_rows(y, r), what
+    for y in (x[:, :1000].contiguous(), wide):  # to the Triton all_reduce, and to NCCL
+        w = torch.ones(y.shape[1], dtype=y.dtype, device=device)
+        ref = _nccl_sum(y)
+        normed, s = tp.all_reduce_add_rms_norm(y.clone(), None, w, EPS)
+        torch.testing.assert_close(s, ref)
+        torch.testing.assert_close(normed, rms_norm(ref, w, EPS))
+
+
+def _back_to_back(comm: TritonAllReduce, rank: int, device: torch.device) -> None:
+    """Fused and plain calls of changing sizes (so grids), back to back; rank 0 sometimes
+    starts late, so either rank may be the one waiting."""
+    calls = []
+    for n in range(120):
+        if rank == 0 and n % 7 == 0:
+            torch.cuda._sleep(20_000 * (1 + n % 5))
+        if n % 3 == 2:
+            plain = _plain_input(rank, n % len(PLAIN_CASES), n, device)
+            calls.append((n, plain, comm.all_reduce(plain)))
+        else:
+            i = (5 * n) % len(FUSED_CASES)
+            inputs = _fused_input(rank, i, n, device)
+            calls.append((n, inputs, comm.all_reduce_add_rms_norm(*inputs, EPS)))
+    for n, inputs, got in calls:
+        if isinstance(inputs, tuple):
+            _assert_bit_equal(got, _two_steps(comm, *inputs), f"back-to-back call {n}")
+        else:
+            torch.testing.assert_close(got, _nccl_sum(inputs), msg=f"back-to-back call {n}")
+
+
+def _graph_replays(comm: TritonAllReduce, rank: int, device: torch.device) -> None:
+    """Two CUDA graphs of fused and plain calls, replayed in changing orders over fresh
+    inputs, with eager calls between."""
+    picks = [(1, 4096, torch.bfloat16, True), (7, 1024, torch.float32, False)]
+    picks += [(256, 4096, torch.bfloat16, True), (256, 1024, torch.float32, True)]
+    picks += [(7, 4096, torch.bfloat16, False), (1, 1024, torch.float32, True)]
+    graph_cases = [FUSED_CASES.index(c) for c in picks]
+    fused_in = {i: _fused_input(rank, i, 0, device) for i in graph_cases}
+    plain_in = {k: _plain_input(rank, k, 0, device) for k in range(len(PLAIN_CASES))}
+    plans = [  # per graph: ("fused", case) or ("plain", case)
+        [("fused", graph_cases[0]), ("plain", 1), ("fused", graph_cases[1])]
+        + [("plain", 3), ("fused", graph_cases[2]), ("fused", graph_cases[3])],
+        [("fused", graph_cases[4]), ("plain", 0), ("fused", graph_cases[5])]
+        + [("plain", 2), ("fused", graph_cases[2])],
+    ]
+
+    def run(plan: list[tuple]) -> list[tuple | torch.Tensor]:
+        return [
+            comm.all_reduce_add_rms_norm(*fused_in[step[1]], EPS)
+            if step[0] == "fused"
+            else comm.all_reduce(plain_in[step[1]])
+            for step in plan
         ]
 
-        def run(plan: list[tuple]) -> list[tuple | torch.Tensor]:
-            return [
-                comm.all_reduce_add_rms_norm(*fused_in[step[1]], EPS)
-                if step[0] == "fused"
-                else comm.all_reduce(plain_in[step[1]])
-                for step in plan
-            ]
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for plan in plans:
-                run(plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graphs, outputs = [], []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         for plan in plans:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs.append(run(plan))
-            graphs.append(graph)
-        for seed, order in enumerate(([0, 1], [1, 0, 1], [0, 0, 1], [1, 1, 0, 0]), start=1):
-            for i, inputs in fused_in.items():
-                for static, fresh in zip(inputs, _fused_input(rank, i, seed, device), strict=True):
-                    if static is not None:
-                        static.copy_(fresh)
-            for k, x in plain_in.items():
-                x.copy_(_plain_input(rank, k, seed, device))
-            for g in order:
-                graphs[g].replay()
-                eager = _fused_input(rank, (seed + g) % len(FUSED_CASES), 100 + seed, device)
-                got = comm.all_reduce_add_rms_norm(*eager, EPS)
-                _assert_bit_equal(got, _two_steps(comm, *eager), f"eager after replay {seed}")
-            for g, plan in enumerate(plans):
-                for step, got in zip(plan, outputs[g], strict=True):
-                    what = f"graph {g}, replay {seed}, {step}"
-                    if step[0] == "fused":
-                        _assert_bit_equal(got, _two_steps(comm, *fused_in[step[1]]), what)
-                    else:
-                        ref = _nccl_sum(plain_in[step[1]])
-                        torch.testing.assert_close(got, ref, msg=what)
+            run(plan)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outputs = [], []
+    for plan in plans:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(run(plan))
+        graphs.append(graph)
+    for seed, order in enumerate(([0, 1], [1, 0, 1], [0, 0, 1], [1, 1, 0, 0]), start=1):
+        for i, inputs in fused_in.items():
+            for static, fresh in zip(inputs, _fused_input(rank, i, seed, device), strict=True):
+                if static is not None:
+                    static.copy_(fresh)
+        for k, x in plain_in.items():
+            x.copy_(_plain_input(rank, k, seed, device))
+        for g in order:
+            graphs[g].replay()
+            eager = _fused_input(rank, (seed + g) % len(FUSED_CASES), 100 + seed, device)
+            got = comm.all_reduce_add_rms_norm(*eager, EPS)
+            _assert_bit_equal(got, _two_steps(comm, *eager), f"eager after replay {seed}")
+        for g, plan in enumerate(plans):
+            for step, got in zip(plan, outputs[g], strict=True):
+                what = f"graph {g}, replay {seed}, {step}"
+                if step[0] == "fused":
+                    _assert_bit_equal(got, _two_steps(comm, *fused_in[step[1]]), what)
+                else:
+                    ref = _nccl_sum(plain_in[step[1]])
+                    torch.testing.assert_close(got, ref, msg=what)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ def test_fp8_logits_stay_close_to_bf16_kv(small_dir: str, monkeypatch) -> None:
     86.4%, mean KL 2.68e-2; the reference on the CPU, same model and prompts: 86.9%,
     2.70e-2: this random model's flat logits make it the most sensitive one measured), and
     the two FP8 runs agree with each other far more closely than either with bf16."""
-    from minivllm.frontend.bench.kv_accuracy import Agreement, PrefillLogits, compare
+    from benchmarks.kv_accuracy import Agreement, PrefillLogits, compare
     from minivllm.worker.ops.kv_cache import FP8
 
     config = EngineArgs(

@@ -1,6 +1,7 @@
 """RoPE scaling: our cos/sin tables against transformers' frequencies and attention factor for
 every supported kind, config.json's layouts, the context length each kind gives, and the
-errors a user meets (an unknown kind), and Phi-3's sliding window on every layer."""
+errors a user meets (an unknown kind), and Phi-3's sliding window on every layer; the torch
+rotation of a partial rotary against transformers' Phi-3, and llama3's table against its."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from minivllm.config import EngineArgs
 from minivllm.rope_config import SUPPORTED_ROPE_TYPES, long_rope_threshold, rope_parameters
 from minivllm.worker.layers.rotary import RotaryEmbedding
+from minivllm.worker.ops import rotary
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
@@ -194,3 +196,42 @@ def test_phi3_sliding_window_is_a_window_on_every_layer(tiny_models: dict[str, s
     within = model_config(hf_overrides={"sliding_window": 100}, max_model_len=100)
     assert within.sliding_windows == (None,) * within.num_layers
     assert model_config().kv_sliding_window is None  # its 512, max_model_len 512
+
+
+def test_partial_rotary_matches_transformers() -> None:
+    """The torch path against transformers' Phi-3 rotation: the first rotary dims of each
+    head rotate (rotate_half within them), the rest pass through."""
+    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    gen = torch.Generator().manual_seed(9)
+    t, d, rot = 5, 24, 18
+    q, k = torch.randn(t, 4, d, generator=gen), torch.randn(t, 2, d, generator=gen)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    cos_sin = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, "cpu")
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    # transformers: [batch, heads, tokens, dim], cos/sin [batch, tokens, rot] (halves repeated)
+    ref_q, ref_k = phi3.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+        torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None],
+    )  # fmt: skip
+    rotary.qk_norm_rope_torch(q, k, None, None, cos_sin, positions, 0.0, False)
+    torch.testing.assert_close(q, ref_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, ref_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+def test_llama3_rope_matches_transformers() -> None:
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(head_dim=128, hidden_size=4096, num_attention_heads=32)
+    config.rope_parameters = {"rope_theta": 500000.0, **scaling}
+    inv_freq, _ = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    cache = rotary.build_cos_sin_cache(16384, 128, 500000.0, torch.float32, "cpu", scaling)
+    pos = torch.tensor([0, 1, 1000, 16383])
+    freqs = pos[:, None].float() * inv_freq[None, :].float()
+    torch.testing.assert_close(cache[pos], torch.cat([freqs.cos(), freqs.sin()], -1))

@@ -204,26 +204,21 @@ def check_qk_norm_rope_store_kv_op(
     kernel does, one kernel rotates and stores; on the step that computes the FP8 scales, for
     the torch backend, or without Triton, the rotation, then the backend's store (the scales
     first, from the rotated keys). Each way, q, k, the cache and the scales come out alike."""
-    from minivllm.worker.attention.layer import PagedAttention, forward_batch
-    from minivllm.worker.attention.torch_attention import TorchAttentionBackend, store_kv
+    from minivllm.worker.attention.torch_attention import TorchAttentionBackend
     from minivllm.worker.attention.triton_attention import TritonAttentionBackend
     from minivllm.worker.layers import fused
     from minivllm.worker.layers.norm import RMSNorm
     from minivllm.worker.layers.rotary import RotaryEmbedding
-    from minivllm.worker.ops._triton import use_triton
-    from minivllm.worker.ops.kv_cache import FP8, calculate_kv_scales
-    from minivllm.worker.step_buffers import StepBuffers
+    from minivllm.worker.ops.kv_cache import FP8
 
     gen = torch.Generator().manual_seed(5)
-    t, hq, hk, d, page = 6, 4, 2, 64, 4
+    d = 64  # the head size
     rope = RotaryEmbedding(
         d, 64, {"rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor}
     ).to(device)
     norms = [RMSNorm(d, 1e-6, dtype).to(device) for _ in range(2)]
     for norm in norms:
         norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=gen))
-    positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     calls: list[bool] = []  # per rotary launch: whether it stored k and v
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -239,49 +234,73 @@ def check_qk_norm_rope_store_kv_op(
     ]
     fused.qk_norm_rope = spy
     try:
-        for backend, cache_dtype, compute_scales, qk_norm in cases:
-            what = (type(backend).__name__, cache_dtype, compute_scales, qk_norm)
-            qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(device, dtype)
-            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            q, k, v = (x.unflatten(-1, (-1, d)) for x in (q, k, v))
-            cache = torch.zeros(2, 3, page, hk, d, dtype=cache_dtype, device=device)
-            attn = PagedAttention(0, backend, d**-0.5).to(device)
-            attn.kv_scale.copy_(torch.tensor([0.03, 0.02]))
-            buffers = StepBuffers(1, t, 3, page, torch.device(device))
-            meta = buffers.one_prompt(np.zeros(t, dtype=np.int64))
-            meta.slot_mapping[2] = -1
-            meta.compute_kv_scales = compute_scales
-
-            q_ref, k_ref = q.clone(), k.clone()
-            ref_cache, ref_scale = cache.clone(), attn.kv_scale.clone()
-            # what the fused op computes, by the layers one after another
-            q_layers, k_layers = q.clone(), k.clone()
-            if qk_norm:
-                q_layers, k_layers = norms[0](q_layers), norms[1](k_layers)
-            q_layers, k_layers = rope(positions, q_layers, k_layers)
-            weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
-            rotary.qk_norm_rope(
-                q_ref, k_ref, *weights, rope.cos_sin_cache, positions, 1e-6, qk_norm
-            )
-            if compute_scales:
-                calculate_kv_scales(k_ref, v, ref_scale)
-
-            calls.clear()
-            q_norm, k_norm = norms if qk_norm else (None, None)
-            with forward_batch(meta, [cache]):
-                got = fused.qk_norm_rope_store_kv(positions, q, k, v, q_norm, k_norm, rope, attn)
-            one_kernel = use_triton(q) and isinstance(backend, TritonAttentionBackend)
-            assert calls == [one_kernel and not compute_scales], (what, calls)
-            assert got[0] is q and got[1] is k
-            for got_x, ref, by_layers in ((q, q_ref, q_layers), (k, k_ref, k_layers)):
-                torch.testing.assert_close(got_x, ref, **tol, msg=lambda m, w=what: f"{w}: {m}")
-                torch.testing.assert_close(got_x, by_layers, **tol)
-            assert torch.equal(attn.kv_scale, ref_scale), what
-            # the rotated k and v at their slots, as the torch store writes them
-            store_kv(k, v, ref_cache, meta.slot_mapping, ref_scale)
-            assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)), what
+        for case in cases:
+            _check_fused_case(case, rope, norms, gen, device, dtype, calls)
     finally:
         fused.qk_norm_rope = rotary.qk_norm_rope
+
+
+def _check_fused_case(
+    case: tuple,
+    rope: torch.nn.Module,
+    norms: list[torch.nn.Module],
+    gen: torch.Generator,
+    device: str,
+    dtype: torch.dtype,
+    calls: list[bool],
+) -> None:
+    """One case of `check_qk_norm_rope_store_kv_op`: (backend, cache dtype, whether the step
+    computes the FP8 scales, per-head norm); `calls` records the rotary kernel's launches."""
+    from minivllm.worker.attention.layer import PagedAttention, forward_batch
+    from minivllm.worker.attention.torch_attention import store_kv
+    from minivllm.worker.attention.triton_attention import TritonAttentionBackend
+    from minivllm.worker.layers import fused
+    from minivllm.worker.ops._triton import use_triton
+    from minivllm.worker.ops.kv_cache import calculate_kv_scales
+    from minivllm.worker.step_buffers import StepBuffers
+
+    backend, cache_dtype, compute_scales, qk_norm = case
+    t, hq, hk, d, page = 6, 4, 2, 64, 4
+    positions = torch.tensor([0, 1, 5, 17, 63, 2], device=device)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    what = (type(backend).__name__, cache_dtype, compute_scales, qk_norm)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = (x.unflatten(-1, (-1, d)) for x in (q, k, v))
+    cache = torch.zeros(2, 3, page, hk, d, dtype=cache_dtype, device=device)
+    attn = PagedAttention(0, backend, d**-0.5).to(device)
+    attn.kv_scale.copy_(torch.tensor([0.03, 0.02]))
+    buffers = StepBuffers(1, t, 3, page, torch.device(device))
+    meta = buffers.one_prompt(np.zeros(t, dtype=np.int64))
+    meta.slot_mapping[2] = -1
+    meta.compute_kv_scales = compute_scales
+
+    q_ref, k_ref = q.clone(), k.clone()
+    ref_cache, ref_scale = cache.clone(), attn.kv_scale.clone()
+    # what the fused op computes, by the layers one after another
+    q_layers, k_layers = q.clone(), k.clone()
+    if qk_norm:
+        q_layers, k_layers = norms[0](q_layers), norms[1](k_layers)
+    q_layers, k_layers = rope(positions, q_layers, k_layers)
+    weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
+    rotary.qk_norm_rope(q_ref, k_ref, *weights, rope.cos_sin_cache, positions, 1e-6, qk_norm)
+    if compute_scales:
+        calculate_kv_scales(k_ref, v, ref_scale)
+
+    calls.clear()
+    q_norm, k_norm = norms if qk_norm else (None, None)
+    with forward_batch(meta, [cache]):
+        got = fused.qk_norm_rope_store_kv(positions, q, k, v, q_norm, k_norm, rope, attn)
+    one_kernel = use_triton(q) and isinstance(backend, TritonAttentionBackend)
+    assert calls == [one_kernel and not compute_scales], (what, calls)
+    assert got[0] is q and got[1] is k
+    for got_x, ref, by_layers in ((q, q_ref, q_layers), (k, k_ref, k_layers)):
+        torch.testing.assert_close(got_x, ref, **tol, msg=lambda m, w=what: f"{w}: {m}")
+        torch.testing.assert_close(got_x, by_layers, **tol)
+    assert torch.equal(attn.kv_scale, ref_scale), what
+    # the rotated k and v at their slots, as the torch store writes them
+    store_kv(k, v, ref_cache, meta.slot_mapping, ref_scale)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)), what
 
 
 def test_torch_paths_and_rope_cache() -> None:
@@ -306,46 +325,6 @@ def test_torch_paths_and_rope_cache() -> None:
         rotary.build_cos_sin_cache(8, 4, 100.0, torch.float32, "cpu", {"rope_type": "ntk"})
     with pytest.raises(ValueError, match="rotary dim 6 must be even and at most head_dim 4"):
         rotary.qk_norm_rope(q[..., :4], k[..., :4], None, None, cos_sin[:, :6], pos, 0.0, False)
-
-
-def test_partial_rotary_matches_transformers() -> None:
-    """The torch path against transformers' Phi-3 rotation: the first rotary dims of each
-    head rotate (rotate_half within them), the rest pass through."""
-    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
-    gen = torch.Generator().manual_seed(9)
-    t, d, rot = 5, 24, 18
-    q, k = torch.randn(t, 4, d, generator=gen), torch.randn(t, 2, d, generator=gen)
-    positions = torch.tensor([0, 3, 17, 40, 63])
-    cos_sin = rotary.build_cos_sin_cache(64, rot, 10000.0, torch.float32, "cpu")
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    # transformers: [batch, heads, tokens, dim], cos/sin [batch, tokens, rot] (halves repeated)
-    ref_q, ref_k = phi3.apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-        torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None],
-    )  # fmt: skip
-    rotary.qk_norm_rope_torch(q, k, None, None, cos_sin, positions, 0.0, False)
-    torch.testing.assert_close(q, ref_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(k, ref_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
-
-
-def test_llama3_rope_matches_transformers() -> None:
-    rope_init = pytest.importorskip("transformers.modeling_rope_utils")
-    from transformers import LlamaConfig
-
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    config = LlamaConfig(head_dim=128, hidden_size=4096, num_attention_heads=32)
-    config.rope_parameters = {"rope_theta": 500000.0, **scaling}
-    inv_freq, _ = rope_init.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    cache = rotary.build_cos_sin_cache(16384, 128, 500000.0, torch.float32, "cpu", scaling)
-    pos = torch.tensor([0, 1, 1000, 16383])
-    freqs = pos[:, None].float() * inv_freq[None, :].float()
-    torch.testing.assert_close(cache[pos], torch.cat([freqs.cos(), freqs.sin()], -1))
 
 
 @needs_triton

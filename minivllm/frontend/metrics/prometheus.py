@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from minivllm.frontend.dp_failover import FailoverStats
+from minivllm.frontend.clients.dp_failover import FailoverStats
 from minivllm.frontend.metrics.series import Family, Histogram, Slot, SlotCollector
 from minivllm.frontend.metrics.shared_values import Aggregate, MetricValues
 from minivllm.frontend.metrics.stats import IterationStats, SchedulerUpdate

@@ -41,7 +41,7 @@ import uvicorn
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.exceptions import EngineStartupError
-from minivllm.frontend.core_launch import EngineCoreLaunch
+from minivllm.frontend.clients.core_launch import EngineCoreLaunch
 from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import (
     PROCESS_PRIORITY,
@@ -119,7 +119,7 @@ def _launch_engines(args: argparse.Namespace, group: APIServerGroup) -> EngineCo
     if args.connect:
         return None
     from minivllm.frontend.arg_utils import engine_args_from
-    from minivllm.frontend.dp_placement import engine_configs
+    from minivllm.frontend.clients.dp_placement import engine_configs
 
     model = args.model_tag or args.model
     if not model:

@@ -164,7 +164,7 @@ def build_state(
     As API process `client_index` of several: its metrics go to `metrics_dir`, shared with
     the others, and only the first logs the stats line (of all of them)."""
     from minivllm.frontend.async_llm import AsyncLLM
-    from minivllm.frontend.dp_client import make_client
+    from minivllm.frontend.clients.dp_client import make_client
     from minivllm.frontend.metrics.loggers import LoggingStatLogger
     from minivllm.frontend.metrics.prometheus import PrometheusStatLogger
     from minivllm.frontend.server.app import ServerState
@@ -218,7 +218,7 @@ def _attach(args: argparse.Namespace):
     `--tokenizer`'s), and this machine's device kind."""
     import torch
 
-    from minivllm.frontend.dp_client import attach_client
+    from minivllm.frontend.clients.dp_client import attach_client
 
     curve = None
     if args.curve_server_key or args.curve_secret_key:

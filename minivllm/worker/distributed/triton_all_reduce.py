@@ -2,7 +2,7 @@
 symmetric (peer-mapped) GPU memory: a one-shot all-reduce, and the same all-reduce fused with
 the residual add and RMSNorm that follow it in a decoder (`all_reduce_add_rms_norm`). Larger
 messages go to NCCL (TPGroup decides, with `fits` and `fits_rows`). On 2 x H200, 2 MiB of
-bf16 in a CUDA graph: 11.0 µs against NCCL's 37.9 (`minivllm bench allreduce`).
+bf16 in a CUDA graph: 11.0 µs against NCCL's 37.9 (`benchmarks/allreduce.py`).
 
 Every rank owns one symmetric buffer; its peers have it mapped and read or write it directly.
 The plain kernel cuts the message into 16 KiB slices, and slice s always belongs to program

@@ -1,11 +1,12 @@
-"""Architecture name (config.json "architectures"[0]) -> model class and variant."""
+"""Architecture name (config.json "architectures"[0]) -> model class and variant: the
+built-in ones here, and those registered with `ModelRegistry` (model_registry.py)."""
 
 from __future__ import annotations
 
 from minivllm.config import ModelConfig
+from minivllm.model_registry import ModelRegistry
 from minivllm.worker.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from minivllm.worker.models.llama_family import CausalLM, DecoderVariant
-from minivllm.worker.models.null_model import NullForCausalLM
 
 _GEMMA3 = DecoderVariant(
     qk_norm=True, norm_offset=True, sandwich_norms=True, tie_word_embeddings=True
@@ -22,22 +23,25 @@ _ARCHITECTURES: dict[str, tuple[type[CausalLM], DecoderVariant]] = {
     "Gemma3ForConditionalGeneration": (Gemma3ForConditionalGeneration, _GEMMA3),
     # Phi-3 and Phi-4 (Phi-4-mini too); resid_pdrop and the other dropouts are training's
     "Phi3ForCausalLM": (CausalLM, DecoderVariant(fused_checkpoint=True)),
-    "MiniVllmNullForCausalLM": (NullForCausalLM, DecoderVariant()),  # benchmarks only
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return sorted({*_ARCHITECTURES, *ModelRegistry.registered()})
 
 
-def resolve_architecture(config: ModelConfig) -> tuple[type[CausalLM], DecoderVariant]:
+def resolve_architecture(config: ModelConfig) -> tuple[type, DecoderVariant]:
     """The model class and the variant of config's checkpoint, or ValueError naming what is
-    not supported."""
+    not supported. A registered class comes first: in place of a built-in one it gets that
+    one's variant; of its own architecture, the plain variant (it reads what it needs)."""
     arch = config.architecture
+    registered = ModelRegistry.model_class(arch)
     if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"architecture {arch!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        if registered is None:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: "
+                f"{', '.join(supported_architectures())}"
+            )
+        return registered, DecoderVariant()
     model_cls, variant = _ARCHITECTURES[arch]
-    return model_cls, variant.for_checkpoint(config.hf_config)
+    return registered or model_cls, variant.for_checkpoint(config.hf_config)

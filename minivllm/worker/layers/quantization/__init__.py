@@ -1,7 +1,7 @@
 """Quantized linear layers: one module per checkpoint format, and the registry that picks the
 format of a model (config.json's `quantization_config`, or `quantization="fp8"` online).
 
-The names are `minivllm.config.LINEAR_QUANTIZATION_METHODS`; each format's `QuantizationConfig`
+The names are `minivllm.quantization_config.LINEAR_QUANTIZATION_METHODS`; each format's `QuantizationConfig`
 gives every linear layer its `LinearMethod` (base.py).
 """
 

@@ -13,6 +13,9 @@ from minivllm.worker.ops._triton import use_triton
 
 NIBBLES = 8  # 4-bit values per int32
 SHIFTS = tuple(range(0, 32, 4))
+# from this many rows W is dequantized to 16 bits for cuBLAS rather than fed to the W4A16
+# GEMM (vLLM's AWQ threshold)
+DEQUANTIZE_ROWS = 256
 
 
 def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -85,6 +88,22 @@ class W4LinearMethod(LinearMethod):
             params.get("perm"), params.get("g_idx"),
         )  # fmt: skip
 
+    def row_gemv(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        prologue: int,
+        residual: torch.Tensor | None = None,
+        new_residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor | None:
+        w = self.weights(layer)
+        cfg = ops.w4_gemv_config(w.qweight.shape[0], w.qweight.shape[1] * 8, w.group_size)
+        if cfg is None:
+            return None
+        return ops.w4_gemv(x, w, cfg, None, prologue, residual, new_residual, norm_weight, eps)
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -97,6 +116,6 @@ class W4LinearMethod(LinearMethod):
             cfg = ops.w4_gemv_config(n, k, w.group_size)
             if cfg is not None:
                 return ops.w4_gemv(x, w, cfg, bias)
-        if ops.w4_gemm_block_k(k, w.group_size) is None:
-            return ops.w4_linear_torch(x, w, bias)
+        if x.shape[0] >= DEQUANTIZE_ROWS or ops.w4_gemm_block_k(k, w.group_size) is None:
+            return ops.w4_dequantized_linear(x, w, bias)
         return ops.w4_gemm(x, w, bias)
