@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -60,11 +61,13 @@ def die_with_parent(
 
 
 def spawn(
-    target: Callable[..., Any], kwargs: dict[str, Any], name: str
+    target: Callable[..., Any] | str, kwargs: dict[str, Any], name: str
 ) -> tuple[BaseProcess, Connection, Connection]:
     """Start `target(**kwargs, ready_pipe=..., death_pipe=...)` in a fresh (spawned) process,
     which starts with this process's model registrations (`ModelRegistry`: a spawned process
-    shares none of this one's memory).
+    shares none of this one's memory). A target named "module:function" is imported in the
+    child only: the engine-core starts its workers without importing torch and the model
+    code itself (seconds it would spend before the workers spend them again).
 
     Returns the process, the read end of its ready pipe (the child reports its startup there)
     and the write end of its death pipe (keep it open while the child should live).
@@ -86,8 +89,13 @@ def spawn(
     return proc, ready_r, death_w
 
 
-def _start_child(target: Callable[..., Any], models: dict[str, str], /, **kwargs: Any) -> None:
+def _start_child(
+    target: Callable[..., Any] | str, models: dict[str, str], /, **kwargs: Any
+) -> None:
     ModelRegistry.restore(models)
+    if isinstance(target, str):
+        module, _, function = target.partition(":")
+        target = getattr(importlib.import_module(module), function)
     target(**kwargs)
 
 

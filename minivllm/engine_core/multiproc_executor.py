@@ -108,11 +108,9 @@ class MultiprocExecutor(Executor):
         return transport.ipc_address(self.ipc_dir, name)
 
     def _start_workers(self, step_addrs: list[str], result_addr: str) -> None:
-        from minivllm.worker.worker_process import run_worker
-
         for rank, addr in enumerate(step_addrs):
             proc, ready, death = spawn(
-                run_worker,
+                "minivllm.worker.worker_process:run_worker",
                 dict(config=self.config, rank=rank, step_address=addr, result_address=result_addr),
                 name=f"worker-rank{rank}",
             )

@@ -36,9 +36,9 @@ def visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()]
-    import torch
+    from minivllm.devices import cuda_device_count
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(cuda_device_count())]
 
 
 def gpu_slices(dp: int, tp: int, gpus: list[str]) -> list[str]:

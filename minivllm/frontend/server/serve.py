@@ -216,8 +216,7 @@ def build_state(
 def _attach(args: argparse.Namespace):
     """`--connect`: a client of the daemons, the model config and tokenizer they send (or
     `--tokenizer`'s), and this machine's device kind."""
-    import torch
-
+    from minivllm.devices import cuda_device_count
     from minivllm.frontend.clients.dp_client import attach_client
 
     curve = None
@@ -250,7 +249,7 @@ def _attach(args: argparse.Namespace):
     except BaseException:
         client.shutdown()
         raise
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda_device_count() > 0 else "cpu"  # for the stats line's label
     return client, model_config, loaded, device
 
 

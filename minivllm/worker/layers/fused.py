@@ -4,7 +4,7 @@ another, from the tensors and layers it is given (and the step's metadata).
 
 | op | one kernel when | else |
 |---|---|---|
-| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased projection the GEMV tiles (16-bit W: ops/gemv.py; FP8 or INT4 W: the quant method's `row_gemv`): the GEMV adds the residual and norms its row in its prologue (ops/row_prologue.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
+| `rms_norm_linear` | one 16-bit row where Triton runs and an unbiased, unquantized projection the GEMV tiles: the GEMV adds the residual and norms its row in its prologue (ops/gemv.py); under TP, x a partial sum: `all_reduce_add_rms_norm`, then the projection | `add_rms_norm`, then the projection |
 | `silu_mul_linear` | the same row and projection: the GEMV computes silu(gate) * up in its prologue | `silu_and_mul`, then the projection |
 | `gelu_tanh_mul_linear` | the same, GELU-tanh(gate) * up in the GEMV's prologue (Gemma) | `gelu_tanh_and_mul`, then the projection |
 | `norm_add_norm` | Triton runs (Gemma's norms): after the all-reduce under TP, one kernel norms x, adds the residual and norms the sum (ops/gemma_norm.py) | the all-reduce, then torch ops |
@@ -32,12 +32,10 @@ from minivllm.worker.ops.gemv import (
     gemv_gelu_tanh_mul,
     gemv_rms_norm,
     gemv_silu_mul,
-    one_gpu_row,
     row_gemv_config,
 )
 from minivllm.worker.ops.norm import add_rms_norm
 from minivllm.worker.ops.rotary import qk_norm_rope
-from minivllm.worker.ops.row_prologue import GELU_MUL, RMS_NORM, SILU_MUL
 
 
 def all_reduce_add_rms_norm(
@@ -61,59 +59,40 @@ def rms_norm_linear(
     if residual is not None and tp.size > 1:
         normed, residual = tp.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         return proj(normed), residual
-    if proj.bias is None and (residual is None or x.is_contiguous() and residual.is_contiguous()):
-        fused = _rms_norm_gemv(x, residual, norm, proj)
-        if fused is not None:
-            return fused
+    w = proj.plain_weight
+    cfg = row_gemv_config(x, w, x.shape[-1]) if proj.bias is None and w is not None else None
+    if cfg is not None:
+        if residual is None:
+            return gemv_rms_norm(x, None, norm.weight, norm.eps, w, cfg), x
+        if x.is_contiguous() and residual.is_contiguous():
+            new_residual = torch.empty_like(x)
+            y = gemv_rms_norm(x, residual, norm.weight, norm.eps, w, cfg, new_residual)
+            return y, new_residual
     normed, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
     return proj(normed), residual
 
 
-def _rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: ColumnParallelLinear
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """rms_norm_linear by one GEMV with the norm in its prologue (16-bit or quantized W), or
-    None where no GEMV takes x."""
-    w = proj.plain_weight
-    cfg = row_gemv_config(x, w, x.shape[-1]) if w is not None else None
-    if cfg is None and not (w is None and one_gpu_row(x)):
-        return None
-    new_residual = None if residual is None else torch.empty_like(x)
-    if cfg is not None:
-        y = gemv_rms_norm(x, residual, norm.weight, norm.eps, w, cfg, new_residual)
-    else:
-        y = proj.quant_method.row_gemv(
-            proj, x, RMS_NORM, residual, new_residual, norm.weight, norm.eps
-        )
-        if y is None:
-            return None
-    return y, x if new_residual is None else new_residual
-
-
 def silu_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(silu(gate) * up) for gate_up [T, 2I], gate then up: SwiGLU's down projection."""
-    return _act_mul_linear(gate_up, proj, SILU_MUL)
+    w = proj.plain_weight
+    cfg = None
+    if proj.rank_bias is None and w is not None:
+        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
+    if cfg is None:
+        return proj(silu_and_mul(gate_up))
+    y = gemv_silu_mul(gate_up, w, cfg)
+    return proj.tp.all_reduce(y) if proj.reduce_results else y
 
 
 def gelu_tanh_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(gelu_tanh(gate) * up) for gate_up [T, 2I], gate then up: GeGLU's down projection."""
-    return _act_mul_linear(gate_up, proj, GELU_MUL)
-
-
-def _act_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear, act: int) -> torch.Tensor:
-    """proj(act(gate) * up): one GEMV with the activation in its prologue (16-bit or
-    quantized W) where one takes the row, else the activation's kernel, then proj."""
-    y = None
-    if proj.rank_bias is None:
-        w = proj.plain_weight
-        if w is not None:
-            cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
-            gemv_act_mul = gemv_silu_mul if act == SILU_MUL else gemv_gelu_tanh_mul
-            y = gemv_act_mul(gate_up, w, cfg) if cfg is not None else None
-        elif one_gpu_row(gate_up):
-            y = proj.quant_method.row_gemv(proj, gate_up, act)
-    if y is None:
-        return proj(silu_and_mul(gate_up) if act == SILU_MUL else gelu_tanh_and_mul(gate_up))
+    w = proj.plain_weight
+    cfg = None
+    if proj.rank_bias is None and w is not None:
+        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
+    if cfg is None:
+        return proj(gelu_tanh_and_mul(gate_up))
+    y = gemv_gelu_tanh_mul(gate_up, w, cfg)
     return proj.tp.all_reduce(y) if proj.reduce_results else y
 
 

@@ -32,7 +32,6 @@ from minivllm.worker.ops._triton import (
     use_triton,
     wait_for_producers,
 )
-from minivllm.worker.ops.row_prologue import PLAIN, SILU_MUL, prologue_slice, row_rstd_pass
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -299,17 +298,16 @@ _ROW_SCALE, _GROUP_SCALE, _ROW_GROUP_SCALE = 0, 1, 2
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, K, stride_xm, stride_wn, stride_om,
-    stride_wsn, stride_wsk, res_ptr, new_res_ptr, nw_ptr, eps,
+    stride_wsn, stride_wsk,
     M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_MODE: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y = quant(x) W^T for M <= 4 rows: each program owns BLOCK_N rows of W and reads
     BLOCK_K = GROUPS x 128 of K per iteration as a [BLOCK_N, GROUPS, 128] tile, quantizing
     x's groups itself (PER_TOKEN: the row's one scale, from a first pass over it). W's scales
     are folded into x's dequantized values where the program's rows share them, so each
-    weight costs one conversion and one multiply-add. PROLOGUE: x computed from the row by
-    one of row_prologue.py's prologues (RMS_NORM writes the new residual stream)."""
+    weight costs one conversion and one multiply-add."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
@@ -318,24 +316,17 @@ def _fp8_gemv_kernel(
     wait_for_producers(PDL)
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
-        res_row, new_res_row = res_ptr + m * K, new_res_ptr + m * K
-        rstd = 0.0
-        if PROLOGUE == 1:
-            rstd = row_rstd_pass(x_row, res_row, K, eps, BLOCK_K, HAS_RESIDUAL)
         x_scale = 1.0
         if PER_TOKEN:
             amax = tl.zeros([GROUPS, 128], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                x = prologue_slice(x_row, res_row, new_res_row, nw_ptr, K, k + offs_gk, rstd,
-                                   False, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
-                amax = tl.maximum(amax, tl.abs(x))
+                amax = tl.maximum(amax, tl.abs(tl.load(x_row + k + offs_gk).to(tl.float32)))
             x_scale = tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10) / 448.0
         # products summed over K once, after the loop (as ops/gemv.py)
         acc = tl.zeros([BLOCK_N, GROUPS, 128], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             w = tl.load(w_ptrs + k).to(tl.float32)
-            x = prologue_slice(x_row, res_row, new_res_row, nw_ptr, K, k + offs_gk, rstd,
-                               pid == 0, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+            x = tl.load(x_row + k + offs_gk).to(tl.float32)
             if PER_TOKEN:
                 xq = _quantize(x, x_scale).to(tl.float32) * x_scale
             else:
@@ -364,9 +355,9 @@ def _fp8_gemv_kernel(
 
 def fp8_gemv_config(n: int, k: int) -> Fp8GemvConfig | None:
     """8 rows per program (4 for small N, so more programs) and 8 groups (1 KB of each row)
-    per iteration where K allows: the fastest of 36 shapes measured on an H100 at Qwen3-8B's
-    layers (1.6-2.8x the [8, 128]-tile kernel before it). None when the kernel cannot tile
-    the shape."""
+    per iteration where K allows: of 30 variants measured on an H100 at Qwen3-8B's four
+    layers, the fastest at two and within 2% at the others (1.6-2.8x an [8, 128] tile per
+    iteration). None when the kernel cannot tile the shape."""
     if k % BLOCK or n % 4:
         return None
     groups = next(g for g in (8, 4, 2, 1) if (k // BLOCK) % g == 0)
@@ -382,26 +373,15 @@ def fp8_gemv(
     per_token: bool,
     cfg: Fp8GemvConfig,
     bias: torch.Tensor | None = None,
-    prologue: int = PLAIN,
-    residual: torch.Tensor | None = None,
-    new_residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
 ) -> torch.Tensor:
-    """quant(x) [M <= 4, K] (16-bit) @ e4m3 w [N, K]^T -> [M, N] in x's dtype. w_scale: block
-    scales [ceil(N / w_scale_rows), K/128] (w_scale_rows 128 or 1; activations per group) or
-    per-row [N, 1] (w_scale_rows 1, per_token). With a prologue (row_prologue.py), x is
-    computed from the given row: rms_norm(x + residual), writing x + residual into
-    new_residual (x and residual contiguous), or act(gate) * up of x [M, 2K]."""
-    m, k = x.shape[0], w.shape[1]
+    """x [M <= 4, K] (16-bit) @ e4m3 w [N, K]^T -> [M, N] in x's dtype. w_scale: block scales
+    [ceil(N / w_scale_rows), K/128] (w_scale_rows 128 or 1; activations per group) or per-row
+    [N, 1] (w_scale_rows 1, per_token)."""
+    m, k = x.shape
     n = w.shape[0]
-    if x.shape[1] != k * (2 if prologue >= SILU_MUL else 1):
-        raise ValueError(f"x {tuple(x.shape)} does not match w {tuple(w.shape)}")
     if not (1 <= m <= 4 and n % cfg.block_n == 0 and k % (BLOCK * cfg.groups) == 0):
         raise ValueError(f"config {cfg} does not tile M={m}, N={n}, K={k}")
     assert x.stride(1) == 1 and w.stride(1) == 1
-    if residual is not None:
-        assert residual.is_contiguous() and x.is_contiguous() and new_residual is not None
     w_scale = w_scale.view(w_scale.shape[0], -1)
     if per_token:
         mode = _ROW_SCALE
@@ -414,12 +394,10 @@ def fp8_gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // cfg.block_n,)](
         x, w, w_scale, w_scale if bias is None else bias, out, k,
-        x.stride(0), w.stride(0), out.stride(0), w_scale.stride(0), w_scale.stride(1),
-        x if residual is None else residual, x if new_residual is None else new_residual,
-        x if norm_weight is None else norm_weight, eps,
+        x.stride(0), w.stride(0), out.stride(0),
+        w_scale.stride(0), w_scale.stride(1),
         M=m, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, BLOCK_K=BLOCK * cfg.groups,
         SCALE_MODE=mode, PER_TOKEN=per_token, HAS_BIAS=bias is not None,
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, **pdl(x),
     )  # fmt: skip
     return out

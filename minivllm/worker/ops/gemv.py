@@ -26,17 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.ops._triton import pdl, tl, triton, use_triton, wait_for_producers
-from minivllm.worker.ops.norm import row_rstd
-from minivllm.worker.ops.row_prologue import (
-    GELU_MUL,
-    PLAIN,
-    RMS_NORM,
-    SILU_MUL,
-    prologue_slice,
-    residual_slice,
-    row_rstd_pass,
-    scaled_slice,
-)
+from minivllm.worker.ops.activation import gelu_tanh_mul, silu_mul
+from minivllm.worker.ops.norm import add_residual, rms_scale, row_rstd
+
+# what the kernel computes x from
+_PLAIN, _RMS_NORM, _SILU_MUL, _GELU_MUL = 0, 1, 2, 3
 
 
 class GemvConfig(NamedTuple):
@@ -44,6 +38,24 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+
+
+@triton.jit
+def _residual_slice(x_row, res_row, new_res_row, k, offs_k, write_res, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual, rounded to the dtype) over one K slice; stored as the new residual
+    stream when write_res (one program does)."""
+    h = tl.load(x_row + k + offs_k)
+    if HAS_RESIDUAL:
+        h = add_residual(h, tl.load(res_row + k + offs_k))
+        if write_res:
+            tl.store(new_res_row + k + offs_k, h)
+    return h
+
+
+@triton.jit
+def _scaled_slice(h, rstd, nw_ptr, k, offs_k):
+    """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot."""
+    return rms_scale(h, rstd, tl.load(nw_ptr + k + offs_k)).to(h.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -69,20 +81,38 @@ def _gemv_kernel(
             w = tl.load(w_ptrs)
             if m == 0:
                 wait_for_producers(PDL)
-            h = residual_slice(
-                x_row, res_ptr + m * K, new_res_ptr + m * K, offs_k, pid == 0, HAS_RESIDUAL
+            h = _residual_slice(
+                x_row, res_ptr + m * K, new_res_ptr + m * K, 0, offs_k, pid == 0, HAS_RESIDUAL
             )
             rstd = row_rstd(h, K, eps)
-            acc = w.to(tl.float32) * scaled_slice(h, rstd, nw_ptr, offs_k)[None, :]
+            acc = w.to(tl.float32) * _scaled_slice(h, rstd, nw_ptr, 0, offs_k)[None, :]
         else:
             rstd = 0.0
             if PROLOGUE == 1:  # the row's sum of squares first, in a pass of its own
-                rstd = row_rstd_pass(x_row, res_ptr + m * K, K, eps, BLOCK_K, HAS_RESIDUAL)
+                ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k in range(0, K, BLOCK_K):
+                    h = _residual_slice(x_row, res_ptr + m * K, x_row, k, offs_k, False,
+                                        HAS_RESIDUAL)  # fmt: skip
+                    hf = h.to(tl.float32)
+                    ss += hf * hf
+                rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 w = tl.load(w_ptrs + k)
-                x = prologue_slice(x_row, res_ptr + m * K, new_res_ptr + m * K, nw_ptr, K,
-                                   k + offs_k, rstd, pid == 0, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+                if PROLOGUE == 1:
+                    h = _residual_slice(x_row, res_ptr + m * K, new_res_ptr + m * K, k, offs_k,
+                                        pid == 0, HAS_RESIDUAL)  # fmt: skip
+                    x = _scaled_slice(h, rstd, nw_ptr, k, offs_k)
+                elif PROLOGUE == 2:
+                    gate = tl.load(x_row + k + offs_k)
+                    up = tl.load(x_row + K + k + offs_k)
+                    x = silu_mul(gate, up).to(up.dtype).to(tl.float32)
+                elif PROLOGUE == 3:
+                    gate = tl.load(x_row + k + offs_k)
+                    up = tl.load(x_row + K + k + offs_k)
+                    x = gelu_tanh_mul(gate, up).to(up.dtype).to(tl.float32)
+                else:
+                    x = tl.load(x_row + k + offs_k).to(tl.float32)
                 acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
         tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty))
@@ -126,7 +156,7 @@ def _launch(
 
 def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
     """x [M <= 4, K] @ w [N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
-    return _launch(x, w, cfg, x.shape[1], PLAIN)
+    return _launch(x, w, cfg, x.shape[1], _PLAIN)
 
 
 def gemv_rms_norm(
@@ -142,17 +172,17 @@ def gemv_rms_norm(
     x + residual into `new_residual` (like x); without a residual, rms_norm(x) @ w^T."""
     if residual is not None:
         assert residual.is_contiguous() and x.is_contiguous() and new_residual is not None
-    return _launch(x, w, cfg, x.shape[1], RMS_NORM, residual, new_residual, norm_weight, eps)
+    return _launch(x, w, cfg, x.shape[1], _RMS_NORM, residual, new_residual, norm_weight, eps)
 
 
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
     """(silu(x[:, :K]) * x[:, K:]) @ w^T for x [M <= 4, 2K] (gate, then up) and w [N, K]."""
-    return _launch(x, w, cfg, x.shape[1] // 2, SILU_MUL)
+    return _launch(x, w, cfg, x.shape[1] // 2, _SILU_MUL)
 
 
 def gemv_gelu_tanh_mul(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
     """(gelu_tanh(x[:, :K]) * x[:, K:]) @ w^T for x [M <= 4, 2K] (gate, then up), w [N, K]."""
-    return _launch(x, w, cfg, x.shape[1] // 2, GELU_MUL)
+    return _launch(x, w, cfg, x.shape[1] // 2, _GELU_MUL)
 
 
 def one_gpu_row(x: torch.Tensor) -> bool:

@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 
 from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
-from minivllm.worker.ops.row_prologue import PLAIN, SILU_MUL, prologue_slice, row_rstd_pass
 
 
 class W4Weights(NamedTuple):
@@ -96,10 +95,10 @@ def _unpack(q, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def _w4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr, K,
-    stride_xm, stride_qn, stride_sn, stride_om, res_ptr, new_res_ptr, nw_ptr, eps,
+    stride_xm, stride_qn, stride_sn, stride_om,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUP: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x dequant(W)^T for M <= 4 rows; each program owns BLOCK_N rows of W and reads
     BLOCK_W words (8 weights each) of them per iteration, taking the words' 8 nibbles in
@@ -107,10 +106,8 @@ def _w4_gemv_kernel(
     No unpacked tile is built (no reshape: 2-3x faster than unpacking [BLOCK_N, BLOCK_K]
     on an H100). A word lies in one group (GROUP is a multiple of 8), so its scale s and zero
     z are loaded once for its 8 weights, and applied once: sum_j (q_j - z) s x_j =
-    s (sum_j q_j x_j - z sum_j x_j). PROLOGUE: x computed from the row by one of
-    row_prologue.py's prologues (RMS_NORM writes the new residual stream)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    s (sum_j q_j x_j - z sum_j x_j)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_W)
     q_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :]
     rows_s = s_ptr + offs_n[:, None] * stride_sn
@@ -118,10 +115,6 @@ def _w4_gemv_kernel(
     wait_for_producers(PDL)
     for m in tl.static_range(M):
         x_row = x_ptr + m * stride_xm
-        res_row, new_res_row = res_ptr + m * K, new_res_ptr + m * K
-        rstd = 0.0
-        if PROLOGUE == 1:
-            rstd = row_rstd_pass(x_row, res_row, K, eps, 8 * BLOCK_W, HAS_RESIDUAL)
         # products summed over K once, after the loop (as ops/gemv.py)
         acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         for kw in range(0, K // 8, BLOCK_W):
@@ -132,8 +125,7 @@ def _w4_gemv_kernel(
                     cols = first + j
                     if HAS_PERM:
                         cols = tl.load(perm_ptr + first + j)
-                    x = prologue_slice(x_row, res_row, new_res_row, nw_ptr, K, cols, rstd, pid == 0,
-                                       PROLOGUE, HAS_RESIDUAL)[None, :]  # fmt: skip
+                    x = tl.load(x_row + cols).to(tl.float32)[None, :]
                     g = tl.load(g_ptr + first + j)[None, :]
                     s = tl.load(rows_s + g).to(tl.float32)
                     z = tl.load(rows_z + g).to(tl.float32)
@@ -145,8 +137,7 @@ def _w4_gemv_kernel(
                     cols = first + j
                     if HAS_PERM:
                         cols = tl.load(perm_ptr + first + j)
-                    x = prologue_slice(x_row, res_row, new_res_row, nw_ptr, K, cols, rstd, pid == 0,
-                                       PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+                    x = tl.load(x_row + cols).to(tl.float32)
                     dot += ((q >> (4 * j)) & 0xF).to(tl.float32) * x[None, :]
                     x_sum += x
                 g = (first // GROUP)[None, :]
@@ -178,41 +169,23 @@ def w4_gemv_config(n: int, k: int, group: int) -> W4GemvConfig | None:
 
 
 def w4_gemv(
-    x: torch.Tensor,
-    w: W4Weights,
-    cfg: W4GemvConfig,
-    bias: torch.Tensor | None = None,
-    prologue: int = PLAIN,
-    residual: torch.Tensor | None = None,
-    new_residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
+    x: torch.Tensor, w: W4Weights, cfg: W4GemvConfig, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M <= 4, K] @ dequant(W)^T -> [M, N] in x's dtype (float32 accumulation). With a
-    prologue (row_prologue.py), x is computed from the given row: rms_norm(x + residual),
-    writing x + residual into new_residual (x and residual contiguous), or act(gate) * up of
-    x [M, 2K]."""
-    m, k = x.shape[0], w.qweight.shape[1] * 8
+    """x [M <= 4, K] @ dequant(W)^T -> [M, N] in x's dtype (float32 accumulation)."""
+    m, k = x.shape
     n = w.qweight.shape[0]
-    if x.shape[1] != k * (2 if prologue >= SILU_MUL else 1):
-        raise ValueError(f"x {tuple(x.shape)} does not match W [{n}, {k}]")
     if not (1 <= m <= 4 and n % cfg.block_n == 0 and k % (8 * cfg.block_w) == 0):
         raise ValueError(f"config {cfg} does not tile M={m}, N={n}, K={k}")
     assert x.stride(1) == 1 and w.scales.stride(0) == w.zeros.stride(0)
-    if residual is not None:
-        assert residual.is_contiguous() and x.is_contiguous() and new_residual is not None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dummy = w.qweight
     _w4_gemv_kernel[(n // cfg.block_n,)](
         x, w.qweight, w.scales, w.zeros, dummy if w.perm is None else w.perm,
         dummy if w.g_idx is None else w.g_idx, dummy if bias is None else bias, out, k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        x if residual is None else residual, x if new_residual is None else new_residual,
-        x if norm_weight is None else norm_weight, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, GROUP=w.group_size,
         HAS_PERM=w.perm is not None, HAS_G_IDX=w.g_idx is not None,
-        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        num_warps=cfg.num_warps, **pdl(x),
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl(x),
     )  # fmt: skip
     return out
 

@@ -99,22 +99,6 @@ class LinearMethod:
         """The 16-bit W [N, K] that the fused GEMV prologues read, or None (quantized)."""
         return None
 
-    def row_gemv(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        prologue: int,
-        residual: torch.Tensor | None = None,
-        new_residual: torch.Tensor | None = None,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        """A quantized W's batch-1 GEMV that computes its input row with `prologue`
-        (ops/row_prologue.py: RMS_NORM of x + residual, writing the sum into new_residual;
-        SILU_MUL / GELU_MUL of gate_up x [1, 2K]) in the same kernel; None where this method
-        has no such kernel for x (then the ops run one after another)."""
-        return None
-
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, shape: LinearShape, dtype: torch.dtype) -> None:

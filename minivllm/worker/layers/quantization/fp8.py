@@ -74,24 +74,6 @@ class Fp8BlockLinearMethod(LinearMethod):
         xq, xs = ops.quantize_per_group(x, ops.BLOCK)
         return ops.scaled_fp8_gemm(xq, xs, w, scale, rows, x.dtype, bias)
 
-    def row_gemv(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        prologue: int,
-        residual: torch.Tensor | None = None,
-        new_residual: torch.Tensor | None = None,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        w = layer.weight
-        cfg = ops.fp8_gemv_config(*w.shape) if fp8_kernels(x) else None
-        if cfg is None:
-            return None
-        scale = getattr(layer, self.scale_name)
-        return ops.fp8_gemv(x, w, scale, self.scale_rows, False, cfg, None,
-                            prologue, residual, new_residual, norm_weight, eps)  # fmt: skip
-
 
 class Fp8ChannelLinearMethod(LinearMethod):
     def __init__(self, per_tensor: bool = False, static_input: bool = False) -> None:
@@ -133,23 +115,6 @@ class Fp8ChannelLinearMethod(LinearMethod):
             return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1),
                                     bias=bias, out_dtype=x.dtype)  # fmt: skip
         return ops.scaled_fp8_gemm(xq, xs, w, scale, 1, x.dtype, bias)
-
-    def row_gemv(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        prologue: int,
-        residual: torch.Tensor | None = None,
-        new_residual: torch.Tensor | None = None,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        w = layer.weight
-        cfg = None if self.static_input or not fp8_kernels(x) else ops.fp8_gemv_config(*w.shape)
-        if cfg is None:
-            return None
-        return ops.fp8_gemv(x, w, layer.weight_scale, 1, True, cfg, None,
-                            prologue, residual, new_residual, norm_weight, eps)  # fmt: skip
 
 
 class Fp8OnlineLinearMethod(Fp8ChannelLinearMethod):

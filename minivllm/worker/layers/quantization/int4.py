@@ -88,22 +88,6 @@ class W4LinearMethod(LinearMethod):
             params.get("perm"), params.get("g_idx"),
         )  # fmt: skip
 
-    def row_gemv(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        prologue: int,
-        residual: torch.Tensor | None = None,
-        new_residual: torch.Tensor | None = None,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        w = self.weights(layer)
-        cfg = ops.w4_gemv_config(w.qweight.shape[0], w.qweight.shape[1] * 8, w.group_size)
-        if cfg is None:
-            return None
-        return ops.w4_gemv(x, w, cfg, None, prologue, residual, new_residual, norm_weight, eps)
-
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
