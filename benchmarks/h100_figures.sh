@@ -9,10 +9,7 @@
 # inside a 600 s limit. $TESTS overrides the GPU test files.
 set -u
 OUT=${OUT:-/tmp/minivllm-figures}
-BUDGET_S=${BUDGET_S:-540}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_steps.sh"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}  # the scripts import this tree's minivllm
 B="python -m minivllm.frontend.cli bench"
@@ -21,23 +18,8 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests fp8 prefix bf16 bf16 latency step step1 kernels accuracy)
 TESTS=${TESTS:-tests/worker/test_triton_attention.py tests/worker/test_triton_ops.py \
 tests/worker/test_gpu_kv.py tests/worker/test_gpu_runner.py}
-START=$SECONDS
 
-run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
-    local name=$1 limit=$2
-    shift 2
-    if (( SECONDS - START > BUDGET_S )); then
-        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
-        return
-    fi
-    echo "== $name: $*" | tee -a "$LOG"
-    local t=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
-}
-
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
-git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+log_machine
 for step in "${STEPS[@]}"; do
     case $step in
     # shellcheck disable=SC2086 - TESTS is a list of files

@@ -12,10 +12,8 @@
 # starts only while less than $BUDGET_S seconds (default 540) have passed.
 set -u
 OUT=${OUT:-/tmp/minivllm-moe}
-BUDGET_S=${BUDGET_S:-540}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+source "$(dirname "$0")/gpu_steps.sh"
+export NCCL_NVLS_ENABLE=0
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}  # the scripts import this tree's minivllm
 B="python -m minivllm.frontend.cli bench"
@@ -26,23 +24,8 @@ if [ ${#STEPS[@]} -eq 0 ]; then
     STEPS=(tests kernels qwen3)
     [ "$GPUS" -ge 2 ] && STEPS+=(tp2 ep2 equality)
 fi
-START=$SECONDS
 
-run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
-    local name=$1 limit=$2
-    shift 2
-    if (( SECONDS - START > BUDGET_S )); then
-        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
-        return
-    fi
-    echo "== $name: $*" | tee -a "$LOG"
-    local t=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
-}
-
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
-git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+log_machine
 for step in "${STEPS[@]}"; do
     case $step in
     tests) run tests 300 python -m pytest -q -m gpu -p no:cacheprovider \

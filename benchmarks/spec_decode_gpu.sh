@@ -17,33 +17,15 @@
 # (default 540) have passed, so the call ends inside a 600 s limit.
 set -u
 OUT=${OUT:-/tmp/minivllm-spec}
-BUDGET_S=${BUDGET_S:-540}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_steps.sh"
 PY=${PY:-python3}
 B="$PY -m minivllm.frontend.cli bench"
 S="$PY benchmarks/spec_decode.py"
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests copy copy-dummy copy-8b reference self self-fp32 pair)
-START=$SECONDS
 
-run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
-    local name=$1 limit=$2
-    shift 2
-    if (( SECONDS - START > BUDGET_S )); then
-        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
-        return
-    fi
-    echo "== $name: $*" | tee -a "$LOG"
-    local t=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
-}
-
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
-git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+log_machine
 for step in "${STEPS[@]}"; do
     case $step in
     tests) run tests 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_gpu_spec_decode.py ;;

@@ -11,30 +11,12 @@
 # seconds (default 540) have passed.
 set -u
 OUT=${OUT:-/tmp/minivllm-window}
-BUDGET_S=${BUDGET_S:-540}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_steps.sh"
 B="python -m minivllm.frontend.cli bench"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests gemma3 qwen3)
-START=$SECONDS
 
-run() {  # run NAME TIMEOUT COMMAND...: one step, logged, skipped once the budget is spent
-    local name=$1 limit=$2
-    shift 2
-    if (( SECONDS - START > BUDGET_S )); then
-        echo "== $name: skipped (budget spent)" | tee -a "$LOG"
-        return
-    fi
-    echo "== $name: $*" | tee -a "$LOG"
-    local t=$SECONDS
-    timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$LOG"
-}
-
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
-git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-80 | tee -a "$LOG"
+log_machine
 for step in "${STEPS[@]}"; do
     case $step in
     tests) run tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
