@@ -18,6 +18,8 @@ do, fused with the residual add and the norm.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minivllm.worker.attention.layer import PagedAttention
@@ -74,25 +76,29 @@ def rms_norm_linear(
 
 def silu_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(silu(gate) * up) for gate_up [T, 2I], gate then up: SwiGLU's down projection."""
-    w = proj.plain_weight
-    cfg = None
-    if proj.rank_bias is None and w is not None:
-        cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
-    if cfg is None:
-        return proj(silu_and_mul(gate_up))
-    y = gemv_silu_mul(gate_up, w, cfg)
-    return proj.tp.all_reduce(y) if proj.reduce_results else y
+    return _act_mul_linear(gate_up, proj, silu_and_mul, gemv_silu_mul)
 
 
 def gelu_tanh_mul_linear(gate_up: torch.Tensor, proj: RowParallelLinear) -> torch.Tensor:
     """proj(gelu_tanh(gate) * up) for gate_up [T, 2I], gate then up: GeGLU's down projection."""
+    return _act_mul_linear(gate_up, proj, gelu_tanh_and_mul, gemv_gelu_tanh_mul)
+
+
+def _act_mul_linear(
+    gate_up: torch.Tensor,
+    proj: RowParallelLinear,
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    gemv_act_mul: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """proj(act(gate) * up): one GEMV with the activation in its prologue where the GEMV
+    takes the row, else the activation's kernel, then the projection."""
     w = proj.plain_weight
     cfg = None
     if proj.rank_bias is None and w is not None:
         cfg = row_gemv_config(gate_up, w, gate_up.shape[-1] // 2)
     if cfg is None:
-        return proj(gelu_tanh_and_mul(gate_up))
-    y = gemv_gelu_tanh_mul(gate_up, w, cfg)
+        return proj(act_and_mul(gate_up))
+    y = gemv_act_mul(gate_up, w, cfg)
     return proj.tp.all_reduce(y) if proj.reduce_results else y
 
 
