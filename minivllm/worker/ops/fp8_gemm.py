@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.worker.ops._triton import (
+    grouped_tile,
     interpreting,
     pdl,
     tl,
@@ -210,13 +211,7 @@ def _scaled_gemm_kernel(
     """C = A B^T for e4m3 A [M, K] and B [N, K]; A's scale per (row, K block) and B's per
     (B_SCALE_ROWS rows, K block), applied to each K block's tl.dot (per-token and
     per-channel scales: stride over K 0)."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)  # consecutive programs share B tiles in L2
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_am, offs_bn = offs_m % M, offs_n % N

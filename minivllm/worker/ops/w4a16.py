@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.worker.ops._triton import pdl, tl, triton, wait_for_producers
+from minivllm.worker.ops._triton import grouped_tile, pdl, tl, triton, wait_for_producers
 
 
 class W4Weights(NamedTuple):
@@ -200,13 +200,7 @@ def _w4_gemm_kernel(
 ):  # fmt: skip
     """C = A dequant(W)^T: each K block of W is dequantized in registers to A's dtype and
     fed to tl.dot; BLOCK_K divides the group size, so one scale per row and block."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_am, offs_bn = offs_m % M, offs_n % N
