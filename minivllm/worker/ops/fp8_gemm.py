@@ -33,9 +33,8 @@ from minivllm.worker.ops._triton import (
     use_triton,
     wait_for_producers,
 )
+from minivllm.worker.ops.kv_cache import FP8, FP8_MAX, to_e4m3
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 SCALE_EPS = 1e-10  # the smallest activation amax: an all-zero group still divides
 BLOCK = 128  # the block-wise format's block edge, and its activation group
 
@@ -64,7 +63,7 @@ def quantize_groups_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     padded[:, :k] = x.float()
     g = padded.view(m, groups, group)
     scale = g.abs().amax(-1).clamp(min=SCALE_EPS) / FP8_MAX
-    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = to_e4m3(g / scale[..., None])
     return q.view(m, -1)[:, :k], scale
 
 
@@ -114,14 +113,14 @@ def quantize_weight_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:n, :k] = w.float()
     blocks = padded.view(bn, BLOCK, bk, BLOCK)
     scale = blocks.abs().amax((1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = to_e4m3(blocks / scale[:, None, :, None])
     return q.view(bn * BLOCK, bk * BLOCK)[:n, :k].contiguous(), scale
 
 
 def quantize_weight_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (e4m3 W, float32 per-row scales [N]): each row's max |w| maps to 448."""
     scale = w.float().abs().amax(1).clamp(min=1e-12) / FP8_MAX
-    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = to_e4m3(w.float() / scale[:, None])
     return q, scale
 
 

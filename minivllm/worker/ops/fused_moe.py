@@ -36,12 +36,11 @@ from minivllm.worker.ops._triton import tl, triton
 from minivllm.worker.ops.activation import silu_and_mul_torch, silu_mul
 from minivllm.worker.ops.fp8_gemm import (
     BLOCK,
-    FP8,
-    FP8_MAX,
     dequantize_block,
     dequantize_channel,
     quantize_per_group,
     quantize_per_token,
+    to_e4m3,
 )
 from minivllm.worker.ops.moe_routing import ExpertBlocks, align_to_blocks
 
@@ -224,7 +223,7 @@ class Fp8Experts(NamedTuple):
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> Fp8Operand:
         """x [M, K] -> e4m3 and its scales, as the GEMM of this weight expects."""
         if static_scale is not None:
-            q = (x.float() / static_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            q = to_e4m3(x.float() / static_scale)
             return Fp8Operand(q, static_scale.view(1, 1).expand(x.shape[0], 1))
         if self.per_group:
             return Fp8Operand(*quantize_per_group(x, BLOCK))

@@ -39,11 +39,17 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if kv_cache_dtype == "auto" else FP8
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (already divided by its scale) saturated at +-448 and rounded to e4m3 (nearest
+    even), as every FP8 kernel here rounds what it quantizes."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `dtype` stores it (`scale`: a scalar tensor, used only for FP8)."""
     if dtype != FP8:
         return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return to_e4m3(x.float() / scale)
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -98,7 +98,7 @@ class Fp8ChannelLinearMethod(LinearMethod):
         x = _rows(x)
         if self.static_input:
             s = layer.input_scale
-            xq = (x.float() / s).clamp(-ops.FP8_MAX, ops.FP8_MAX).to(ops.FP8)
+            xq = ops.to_e4m3(x.float() / s)
             xs = s.view(1, 1).expand(x.shape[0], 1).contiguous()
         else:
             if x.shape[0] <= 4:
@@ -190,7 +190,7 @@ class Fp8Config(QuantizationConfig):
         if not self.serialized:
             return {"weight": weight}
         scale = weight.float().abs().amax().clamp(min=1e-12) / ops.FP8_MAX
-        q = (weight.float() / scale).clamp(-ops.FP8_MAX, ops.FP8_MAX).to(ops.FP8)
+        q = ops.to_e4m3(weight.float() / scale)
         tensors = {"weight": q, "weight_scale": scale}
         if self.static_input:
             tensors["input_scale"] = torch.tensor(1.0 / ops.FP8_MAX * 8, device=weight.device)
