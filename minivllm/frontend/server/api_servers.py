@@ -118,16 +118,10 @@ def _launch_engines(args: argparse.Namespace, group: APIServerGroup) -> EngineCo
         )
     if args.connect:
         return None
-    from minivllm.frontend.arg_utils import engine_args_from
     from minivllm.frontend.clients.dp_placement import engine_configs
+    from minivllm.frontend.server.serve import engine_config_from
 
-    model = args.model_tag or args.model
-    if not model:
-        raise SystemExit("minivllm serve: name a model directory (or use --connect)")
-    try:
-        config = engine_args_from(args, model=model).create_engine_config()
-    except ValueError as e:
-        raise SystemExit(f"minivllm serve: {e}") from None
+    config = engine_config_from(args)
     for rank_config in engine_configs(config):  # their start-ups overlap
         group.launches.append(EngineCoreLaunch.start(rank_config))
     return config

@@ -14,10 +14,14 @@ import codecs
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from minivllm import envs
 from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -173,15 +177,7 @@ def build_state(
         client, model_config, loaded, device = _attach(args)
         speculative = None  # the daemons': learnt from their stats
     else:
-        from minivllm.frontend.arg_utils import engine_args_from
-
-        model = args.model_tag or args.model
-        if not model:
-            raise SystemExit("minivllm serve: name a model directory (or use --connect)")
-        try:
-            config = engine_args_from(args, model=model).create_engine_config()
-        except ValueError as e:
-            raise SystemExit(f"minivllm serve: {e}") from None
+        config = engine_config_from(args)
         model_config, device = config.model, config.device.device
         client, loaded = make_client(config, asynchronous=True), None
         speculative = config.speculative
@@ -211,6 +207,20 @@ def build_state(
         log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
     )
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from `minivllm serve`'s flags; bad ones end the command with
+    their message."""
+    from minivllm.frontend.arg_utils import engine_args_from
+
+    model = args.model_tag or args.model
+    if not model:
+        raise SystemExit("minivllm serve: name a model directory (or use --connect)")
+    try:
+        return engine_args_from(args, model=model).create_engine_config()
+    except ValueError as e:
+        raise SystemExit(f"minivllm serve: {e}") from None
 
 
 def _attach(args: argparse.Namespace):
