@@ -22,7 +22,7 @@ from minivllm.worker.ops._triton import (
     use_triton,
     wait_for_producers,
 )
-from minivllm.worker.ops.norm import add_residual, norm_warps, row_rstd
+from minivllm.worker.ops.norm import add_residual, as_rows, norm_warps, row_rstd
 
 
 @triton.jit
@@ -58,11 +58,6 @@ def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -71,12 +66,12 @@ def _launch(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1]
-    x2 = _rows(x)
+    x2 = as_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, n_cols)
     new_res = new_res2 = res2 = None
     if residual is not None:
-        res2 = _rows(residual)
+        res2 = as_rows(residual)
         new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         new_res2 = new_res.view(-1, n_cols)
     block = next_power_of_2(n_cols)

@@ -64,7 +64,8 @@ def norm_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along a row (a view where it can be)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
@@ -76,12 +77,12 @@ def _launch(
     eps: float,
     new_res: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    x2 = _rows(x)
+    x2 = as_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, x.shape[-1])
     res2 = new_res2 = None
     if residual is not None:
-        res2 = _rows(residual)
+        res2 = as_rows(residual)
         if new_res is None:
             new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         new_res2 = new_res.view(-1, x.shape[-1])
