@@ -174,3 +174,15 @@ def build_quantized(float_dir: str, out_dir: str, fmt: str) -> tuple[str, str]:
     with open(os.path.join(quant_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return quant_dir, deq_dir
+
+
+def channel_dequantized(float_dir: str, out_dir: str) -> str:
+    """A copy of float_dir's model whose linear weights (experts' included) are quantized per
+    row to e4m3 and dequantized: what online FP8 computes, for transformers to run."""
+    shutil.copytree(float_dir, out_dir)
+    tensors = load_file(os.path.join(float_dir, "model.safetensors"))
+    for name, t in tensors.items():
+        if LINEAR.search(name):
+            tensors[name] = fp8_channel(t.float())[1].contiguous()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
