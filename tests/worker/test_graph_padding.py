@@ -16,33 +16,15 @@ def tokens(model: str, groups: list[list[list[int]]], graphs: bool) -> tuple[lis
     from minivllm.config import EngineArgs
     from minivllm.engine_core.engine_core import EngineCore
     from minivllm.protocol.sampling_params import SamplingParams
-    from minivllm.worker import cuda_graphs, model_runner
     from tests.engine_groups import run_groups
+    from tests.worker.eager_graph_replays import eager_graph_replays
 
-    replayed: list[tuple[str, int]] = []
-
-    class EagerGraphs(cuda_graphs.StepGraphs):
-        def capture(self, forward, sizes, pool=None) -> None:  # noqa: ANN001
-            self.forward, self.sizes = forward, sorted(sizes)
-
-        def replay(self, size: int):  # noqa: ANN201
-            replayed.append((self.name, size))
-            return self.forward(size)
-
-    init = model_runner.ModelRunner.__init__
-
-    def init_with_graphs(self, *args, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
-        init(self, *args, **kw)
-        self.use_graphs = graphs
-
-    model_runner.ModelRunner.__init__ = init_with_graphs
-    cuda_graphs.StepGraphs = EagerGraphs
-    args = EngineArgs(model=model, distributed_executor_backend="uni", dtype="float32")
-    core = EngineCore(args.create_engine_config())
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    tokens = run_groups(core, groups, params)
-    core.shutdown()
-    model_runner.ModelRunner.__init__ = init
+    with eager_graph_replays(graphs) as replayed:
+        args = EngineArgs(model=model, distributed_executor_backend="uni", dtype="float32")
+        core = EngineCore(args.create_engine_config())
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        tokens = run_groups(core, groups, params)
+        core.shutdown()
     return tokens, replayed
 
 
