@@ -5,22 +5,7 @@ from __future__ import annotations
 
 from minivllm.engine_core.kv_cache_manager import KVCacheManager
 from minivllm.engine_core.request import Request
-from minivllm.protocol.sampling_params import SamplingParams
-
-BS = 4
-
-
-def req(rid: str, prompt: list[int]) -> Request:
-    return Request(rid, prompt, SamplingParams())
-
-
-def start(kv: KVCacheManager, request: Request) -> list[int] | None:
-    """Look up the prefix cache and allocate the rest of the prompt, as the scheduler does."""
-    blocks, num_hit = kv.get_computed_blocks(request)
-    ids = kv.allocate_slots(request, request.num_tokens - num_hit, blocks, num_hit)
-    if ids is not None:
-        request.num_computed_tokens = request.num_tokens
-    return ids
+from tests.engine_core.test_kv_cache_manager import BS, req, start
 
 
 def decode(kv: KVCacheManager, request: Request, token: int) -> list[int] | None:
