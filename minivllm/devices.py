@@ -70,8 +70,11 @@ def cuda_build_of(version_py: str) -> bool | None:
     return values["cuda"] is not None
 
 
+@functools.cache
 def _driver_device_count() -> int:
-    """The CUDA devices the driver lets this process see; 0 without a driver."""
+    """The CUDA devices the driver lets this process see; 0 without a driver. Asked once:
+    the driver reads CUDA_VISIBLE_DEVICES at its initialization only, so the answer stays
+    (the config's several device checks then cost nothing)."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
