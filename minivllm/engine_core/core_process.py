@@ -210,11 +210,17 @@ class EngineCoreProc:
                 if decoded is None:
                     continue
                 client, msg = decoded
-                last_seen[client] = now
                 if isinstance(msg, ClientHello):
+                    # a client's silence counts from its first message after the hello: an
+                    # asyncio client starts its heartbeat with its event loop, which an
+                    # application may start long after attaching (its imports, say)
+                    if client in last_seen:
+                        last_seen[client] = now
                     reply = self.info(client, msg)
                     transport.send_to(self.input_sock, got[0], encoder.encode(reply))
-                elif not isinstance(msg, Heartbeat):  # a heartbeat only refreshes last_seen
+                    continue
+                last_seen[client] = now
+                if not isinstance(msg, Heartbeat):  # a heartbeat only refreshes last_seen
                     self.input_queue.put((client, msg))
             if now >= next_check:
                 next_check = now + 0.5

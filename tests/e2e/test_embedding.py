@@ -101,3 +101,17 @@ def test_a_stalled_client_hears_it_was_dropped(tmp_path, monkeypatch) -> None:
     assert "the engine-core dropped this client: it sent nothing for" in message
     assert "client timeout of 6 s" in message and "its requests were aborted" in message
     assert "silent" not in message and "engine is dead" not in message
+
+
+def test_a_client_that_starts_its_loop_late_is_not_dropped(tmp_path, monkeypatch) -> None:
+    """An application may attach (AsyncLLM) and start its event loop seconds later (its own
+    imports, say): silence counts only once the client has started talking."""
+    monkeypatch.setenv("MINIVLLM_CLIENT_TIMEOUT", "2")
+    model = build_null_checkpoint(str(tmp_path / "null"))
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=model, max_num_seqs=4))
+    try:
+        time.sleep(4.0)  # attached, no event loop yet: no heartbeat leaves
+        tokens = uvloop.run(asyncio.wait_for(_stream_with_stall(llm, "late", 0.0, 5), 60))
+    finally:
+        llm.shutdown()
+    assert tokens == null_tokens(3, 5)
