@@ -13,6 +13,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
 from minivllm.worker.async_output import AsyncModelRunnerOutput
+from minivllm.worker.triton_compiles import compiles
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class Worker:
         self.dist_store = dist_store  # a torch.distributed Store all ranks reach (TP > 1)
         self.model_runner = None
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        self._compiles_before = (0, 0.0)  # Triton's builds before this worker started
 
     def _timed(self, phase: str, fn: Callable[[], _T]) -> _T:
         start = time.perf_counter()
@@ -41,6 +43,9 @@ class Worker:
 
         cfg = self.config
         tp_size = cfg.parallel.tensor_parallel_size
+        if cfg.device.device == "cuda" and compiles.install():
+            compiles.starting()
+            self._compiles_before = (compiles.count, compiles.seconds)
         if cfg.device.device == "cuda":
             local = self.rank % max(torch.cuda.device_count(), 1)
             self.device = torch.device("cuda", local)
@@ -69,6 +74,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.startup_s.update(self.model_runner.startup_s)
+        if compiles.installed:
+            count, seconds = self._compiles_before
+            # not a phase: the time the phases above spent building Triton kernels
+            self.startup_s["Triton kernels"] = compiles.count - count
+            self.startup_s["Triton build"] = compiles.seconds - seconds
+            compiles.serving()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launch one step's forward; `sample_tokens` samples it."""
