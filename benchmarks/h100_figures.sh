@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The figures of RESULTS.md's table on one H100, in one call, most important first:
 #   bash benchmarks/h100_figures.sh [tests] [fp8] [prefix] [bf16] [latency] [step] [step1] [kernels] [accuracy]
-# (no arguments: all of them, in that order; a step may be named twice). The quantized
+# (no arguments: all of them, in that order; a step may be named twice). Named only:
+# [startup] (LLM() to ready three times: on a fresh machine the first compiles the Triton
+# kernels), [first-batch] (the reference workload three times on one engine), [gpu-suite]
+# (every GPU test, four processes on the one GPU, with its own 590 s limit). The quantized
 # weights' figures, named only: [quant-tests] [quant-latency] [quant-throughput]
 # [quant-kernels] [quant-accuracy] (Qwen3-8B's geometry; one or two per call). Each step's output
 # goes to $OUT/log.txt; a summary of the lines that carry figures is printed last. Steps
@@ -42,6 +45,11 @@ for step in "${STEPS[@]}"; do
     step1) run step1 120 $S/step.py --num 1 --ctx 512 --steps 50 ;;
     kernels) run kernels 150 $S/kernels.py --only attention ;;
     accuracy) run accuracy 120 $S/kv_accuracy.py --calculate-kv-scales ;;
+    startup) run startup 300 env MINIVLLM_LOG_LEVEL=DEBUG $S/startup_profile.py --no-phases \
+        --ready-runs 3 --out "$OUT/startup" ;;
+    first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
+    gpu-suite) BUDGET_S=590 run gpu-suite 590 python -m pytest -q -m gpu -n 4 --dist loadfile \
+        -p no:cacheprovider --durations=20 tests ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
         -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
         tests/worker/test_gpu_moe.py ;;
@@ -61,7 +69,8 @@ for step in "${STEPS[@]}"; do
 done
 
 echo "======== summary ($((SECONDS - START)) s)"
-grep -E "^== |passed|failed|Error|Throughput:|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
+grep -E "^== |passed|failed|Error|Throughput:|LLM\(\) to ready|engine core ready|^Run |\
+after start-up|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
 agreement|KV cache: [0-9]|captured|decode attention|cascade attention|prefill attention|\
 steps, |^decode <=|^prefill \(|decode step|graph replay|quantized linear|fp8 moe" "$LOG" \
     | grep -v "^== .*: python\|^== .*: env\|^== .*: timeout" | cut -c1-200

@@ -140,6 +140,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time plain and JSON-schema runs on one engine (needs a tokenizer)",
     )
+    p.add_argument(
+        "--num-runs",
+        type=int,
+        default=1,
+        help="time the workload this many times on one engine (the prefix cache emptied "
+        "before each): the first run right after start-up against the later ones",
+    )
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
     p.add_argument("--compare-num-prompts", type=int, default=64, help="requests transformers runs")
     add_bench_args(p)
@@ -194,6 +201,38 @@ def run_minivllm(
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
     return RunResult(elapsed, len(outputs), workload.num_prompt_tokens, produced, digest, outputs)
+
+
+def timed_runs(
+    llm: Any, workload: Workload, args: argparse.Namespace, figures: dict[str, Any]
+) -> dict[str, list[RunResult]]:
+    """Each sampling variant's `--num-runs` runs, the prefix cache emptied between them
+    (a run must not find the previous one's prompts cached)."""
+    results: dict[str, list[RunResult]] = {}
+    for name, extra in sampling_variants(args):
+        print(f"Sampling: {name}")
+        for i in range(args.num_runs):
+            if i:
+                llm.reset_prefix_cache()
+            run = run_minivllm(llm, workload, args.temperature, extra)
+            results.setdefault(name, []).append(run)
+            print_vllm_lines(run)
+        if "structured_outputs" in extra:
+            eos = llm.llm_engine.input_processor.eos_token_ids
+            figures["structured_outputs"] = structured.summarize(run.outputs, eos)
+    return results
+
+
+def runs_report(runs: list[RunResult], floor_s: float | None) -> list[dict[str, float]]:
+    """One line per run (its share of the floor on CUDA) and the first run against the last."""
+    report = []
+    for i, r in enumerate(runs, 1):
+        share = "" if floor_s is None else f", {100 * floor_s / r.elapsed_s:.1f}% of the floor"
+        print(f"Run {i}: {r.elapsed_s:.3f} s, {r.output_tokens_per_s:.0f} output tok/s{share}")
+        report.append({"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s})
+    first, last = runs[0], runs[-1]
+    print(f"Run 1 against run {len(runs)}: {first.elapsed_s / last.elapsed_s:.3f}x the time")
+    return report
 
 
 def print_vllm_lines(r: RunResult) -> None:
@@ -332,21 +371,14 @@ def main(args: argparse.Namespace) -> dict:
             f"device {config.device.device}, dtype {config.model.dtype}, weights "
             f"{config.model.quantization or config.model.dtype}"
         )
-        results: dict[str, RunResult] = {}
         try:
-            for name, extra in sampling_variants(args):
-                print(f"Sampling: {name}")
-                results[name] = run = run_minivllm(llm, workload, args.temperature, extra)
-                print_vllm_lines(run)
-                if "structured_outputs" in extra:
-                    eos = llm.llm_engine.input_processor.eos_token_ids
-                    figures["structured_outputs"] = structured.summarize(run.outputs, eos)
+            results = timed_runs(llm, workload, args, figures)
             figures.update(spec_decode_figures(llm))
         finally:
             llm.shutdown()
-        base_name, result = next(iter(results.items()))
+        base_name, result = next((name, runs[-1]) for name, runs in results.items())
         if len(results) > 1:
-            for name, r in results.items():
+            for name, r in ((name, runs[-1]) for name, runs in results.items()):
                 tok_s = r.output_tokens_per_s
                 share = 100 * tok_s / result.output_tokens_per_s
                 print(f"{name}: {tok_s:.0f} output tok/s = {share:.1f}% of {base_name}")
@@ -364,6 +396,8 @@ def main(args: argparse.Namespace) -> dict:
         )
         if config.device.device == "cuda":
             figures.update(floor_report(config, workload, result))
+        if args.num_runs > 1:
+            figures["runs"] = runs_report(results[base_name], figures.get("floor_s"))
         if args.compare == "hf":
             sub = workload.subset(args.compare_num_prompts)
             hf = run_hf(model, sub, config.device.device, args.temperature, args.seed)

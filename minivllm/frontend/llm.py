@@ -126,6 +126,10 @@ class LLM:
                 bar.close()
         return [finished[r] for r in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (as vLLM's); False while requests still hold some."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine (or detach from the daemon). Optional: it also happens when the
         LLM is garbage-collected, at interpreter exit, and on leaving `with LLM(...) as llm:`."""
