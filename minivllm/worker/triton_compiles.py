@@ -50,15 +50,37 @@ class TritonCompiles:
         self._started = time.perf_counter()
         return False  # a true value would tell Triton to skip the compile
 
-    def _after(self, *, repr: str, **_: Any) -> None:
+    def _after(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
         took = time.perf_counter() - self._started
         self.count += 1
         self.seconds += took
         if self._serving:
             self.after_start_up += 1
-            logger.info("Triton built a kernel variant after start-up in %.2f s: %s", took, repr)
-        else:
-            logger.debug("Triton built %s in %.2f s", repr, took)
+            what = describe(fn.name, fn.jit_function.arg_names, compile)
+            logger.info("Triton built a kernel variant after start-up in %.2f s: %s", took, what)
+        elif logger.isEnabledFor(logging.DEBUG):
+            what = describe(fn.name, fn.jit_function.arg_names, compile)
+            logger.debug("Triton built %s in %.2f s", what, took)
+
+
+def describe(name: str, arg_names: list[str], compile: dict[str, Any]) -> str:
+    """`_decode_kernel(BLOCK=64, n=1; 16 | stride)`: a variant by what tells it apart, its
+    constants (constexprs, and integers specialized to 1) and the integer arguments Triton
+    specialized as multiples of 16 (pointers, always aligned here, left out)."""
+    signature = compile["signature"]
+    constants = [
+        f"{arg_names[path[0]]}={getattr(value, 'value', value)}"
+        for path, value in sorted(compile["constants"].items())
+        if len(path) == 1
+    ]
+    aligned = [
+        arg_names[path[0]]
+        for path, attrs in sorted(compile["configs"][0].items())
+        if len(path) == 1
+        and not str(signature.get(arg_names[path[0]], "")).startswith("*")
+        and any(attr[0] == "tt.divisibility" for attr in attrs)
+    ]
+    return f"{name}({', '.join(constants)}; 16 | {' '.join(aligned) or '-'})"
 
 
 compiles = TritonCompiles()

@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from minivllm.engine_core.engine_core import _phases_line
-from minivllm.worker.triton_compiles import TritonCompiles
+from minivllm.worker.triton_compiles import TritonCompiles, describe
+
+ARGS = ["x_ptr", "n_rows", "stride", "BLOCK"]
+
+
+def _fn(name: str) -> SimpleNamespace:  # what Triton's hooks get as `fn`
+    return SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=ARGS))
+
+
+def _compile(n_rows: int) -> dict:  # what they get as `compile`: one variant's specialization
+    constants = {(3,): SimpleNamespace(value=64)}
+    if n_rows == 1:
+        constants[(1,)] = 1
+    aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    if n_rows % 16 == 0:
+        aligned[(1,)] = [["tt.divisibility", 16]]
+    signature = {"x_ptr": "*bf16", "n_rows": "i32", "stride": "i32", "BLOCK": "constexpr"}
+    return {"signature": signature, "constants": constants, "configs": [aligned]}
 
 
 def test_builds_are_counted_and_those_after_start_up_logged(
@@ -17,17 +35,24 @@ def test_builds_are_counted_and_those_after_start_up_logged(
     caplog.set_level(logging.INFO, logger="minivllm.worker.triton_compiles")
     for name in ("_rms_norm", "_attention"):
         assert compiles._before(key=name) is False  # Triton must still compile
-        compiles._after(repr=f"{name}[num_warps=4](n: i32)", key=name)
+        compiles._after(fn=_fn(name), compile=_compile(7), key=name)
     assert (compiles.count, compiles.after_start_up) == (2, 0)
     assert compiles.seconds >= 0.0
     assert not caplog.records  # start-up's builds only at DEBUG
 
     compiles.serving()
     compiles._before(key="_sample")
-    compiles._after(repr="_sample[num_warps=8](n: i32)", key="_sample")
+    compiles._after(fn=_fn("_sample"), compile=_compile(32), key="_sample")
     assert (compiles.count, compiles.after_start_up) == (3, 1)
     (record,) = caplog.records
-    assert "after start-up" in record.getMessage() and "_sample[num_warps=8]" in record.getMessage()
+    assert "after start-up" in record.getMessage()
+    assert "_sample(BLOCK=64; 16 | n_rows stride)" in record.getMessage()
+
+
+def test_a_variant_is_told_by_its_constants_and_aligned_integers() -> None:
+    assert describe("_k", ARGS, _compile(1)) == "_k(n_rows=1, BLOCK=64; 16 | stride)"
+    assert describe("_k", ARGS, _compile(7)) == "_k(BLOCK=64; 16 | stride)"
+    assert describe("_k", ARGS, _compile(48)) == "_k(BLOCK=64; 16 | n_rows stride)"
 
 
 def test_install_hooks_triton_once() -> None:
