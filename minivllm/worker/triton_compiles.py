@@ -56,11 +56,17 @@ class TritonCompiles:
         self.seconds += took
         if self._serving:
             self.after_start_up += 1
-            what = describe(fn.name, fn.jit_function.arg_names, compile)
+            what = _described(fn, compile)
             logger.info("Triton built a kernel variant after start-up in %.2f s: %s", took, what)
         elif logger.isEnabledFor(logging.DEBUG):
-            what = describe(fn.name, fn.jit_function.arg_names, compile)
-            logger.debug("Triton built %s in %.2f s", what, took)
+            logger.debug("Triton built %s in %.2f s", _described(fn, compile), took)
+
+
+def _described(fn: Any, compile: dict[str, Any]) -> str:
+    try:
+        return describe(fn.name, fn.jit_function.arg_names, compile)
+    except Exception:  # another Triton's layout: the name still says which kernel
+        return str(getattr(fn, "name", fn))
 
 
 def describe(name: str, arg_names: list[str], compile: dict[str, Any]) -> str:
