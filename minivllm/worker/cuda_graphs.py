@@ -29,10 +29,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from minivllm.worker.step_buffers import DeviceViews, StepBuffers
+from minivllm.worker.triton_compiles import build_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +67,24 @@ class StepGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(
-        self, forward: Callable[[int], torch.Tensor], sizes: list[int], pool: object = None
+        self,
+        forward: Callable[[int], torch.Tensor],
+        sizes: list[int],
+        pool: object = None,
+        warm_up: bool = True,
     ) -> None:
         """Capture `forward(B)` (the forward of size B over the static buffers) for each
         size; the largest first, so the smaller ones reuse its memory pool (or `pool`, that
-        of other graphs: only one graph runs at a time)."""
+        of other graphs: only one graph runs at a time). `warm_up=False`: every kernel the
+        forwards launch is built and loaded already (`build_ahead`)."""
         start = time.monotonic()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in sorted(sizes, reverse=True):
-            forward(size)  # warm-up: Triton compiles and autotunes outside the capture
+            if warm_up:
+                forward(size)  # Triton compiles and loads its kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = forward(size)
@@ -175,22 +183,34 @@ class RunnerGraphs:
         d.positions.zero_()
         d.cascade_prefix_len.zero_()
         d.query_start_loc.zero_()
+        plan = self._plan(forward, max_num_seqs, max_tokens)
+        # every Triton kernel variant of every graph, built side by side; these forwards
+        # then also stand for each capture's warm-up (cuBLAS and the allocator see each shape)
+        built = build_ahead(partial(run, size) for _, run, sizes in plan for size in sizes)
+        for graphs, run, sizes in plan:
+            graphs.capture(run, sizes, pool, warm_up=not built)
+            pool = graphs.pool  # one step runs at a time: every graph shares one pool
+
+    def _plan(
+        self, forward: Callable[..., torch.Tensor], max_num_seqs: int, max_tokens: int
+    ) -> list[tuple[StepGraphs, Callable[[int], torch.Tensor], list[int]]]:
+        """(graphs, their forward of a size, their sizes) of each kind of graph."""
         sizes = capture_sizes(min(max_num_seqs, max_tokens))
-        self.decode.capture(lambda b: forward(b, b, b), sizes, pool)
-        pool = self.decode.pool  # one step runs at a time: every graph shares one pool
+        plan = [(self.decode, lambda b: forward(b, b, b), sizes)]
         if self.with_cascade:
             cascade_sizes = [s for s in sizes if s & (s - 1) == 0 and s >= 8] or sizes[-1:]
             if cascade_sizes[-1] != sizes[-1]:
                 cascade_sizes.append(sizes[-1])
-            self.cascade.capture(lambda b: forward(b, b, b, True), cascade_sizes, pool)
+            plan.append((self.cascade, lambda b: forward(b, b, b, True), cascade_sizes))
         if self.with_prefill:
-            prefill_sizes = prefill_capture_sizes(max_tokens)
-            self.prefill.capture(lambda t: forward(t, self.prefill_seqs, 0), prefill_sizes, pool)
+            prefill = lambda t: forward(t, self.prefill_seqs, 0)  # noqa: E731
+            plan.append((self.prefill, prefill, prefill_capture_sizes(max_tokens)))
         width = self.verify_width
         verify_sizes = [b * width for b in sizes if b * width <= max_tokens]
         if width and verify_sizes:
             verify = lambda t: forward(t, t // width, 0, False, width)  # noqa: E731
-            self.verify.capture(verify, verify_sizes, pool)
+            plan.append((self.verify, verify, verify_sizes))
+        return plan
 
     def like(self) -> RunnerGraphs:
         """Graphs of the same kinds, none captured yet (a draft model's)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from functools import partial
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from minivllm.worker.step_inputs import (
     write_in_flight,
     write_token_inputs,
 )
+from minivllm.worker.triton_compiles import build_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: an override, a fixed byte budget, or the profiled free memory."""
+        # the prompt path's Triton kernels, built side by side (the graphs build theirs)
+        build_ahead([partial(self.profile_run, sample=False)])
         cache = self.config.cache
         block_bytes = self.kv_shape.block_bytes
         if self.drafter is not None:  # the draft's cache has the same blocks
@@ -171,18 +175,19 @@ class ModelRunner:
         return profiled_num_blocks(block_bytes, self.device, utilization, reserve)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self, sample: bool = True) -> None:
         """A worst-case forward (max_num_batched_tokens tokens) and a sample of max_num_seqs
-        rows, to measure peak activations."""
+        rows, to measure peak activations (`sample=False`: the forwards only)."""
         sched = self.config.scheduler
         n = max(1, min(sched.max_num_batched_tokens, self.config.model.max_model_len))
         caches = self.kv_shape.allocate(-(-n // self.block_size), self.device)
         meta = self.buffers.one_prompt(np.zeros(n, dtype=np.int64))
         d = self.buffers.dev
         hidden = self.model(d.input_ids[:n], d.positions[:n], caches, meta)
-        rows = min(n, self.max_sample_rows)
-        logits = self.model.compute_logits(hidden[-rows:])
-        self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
+        if sample:
+            rows = min(n, self.max_sample_rows)
+            logits = self.model.compute_logits(hidden[-rows:])
+            self.sampler(logits, SamplingMetadata.from_buffers(self.buffers, rows))
         del caches
         if self.drafter is not None:
             caches = self.drafter.kv_shape.allocate(-(-n // self.block_size), self.device)

@@ -1,19 +1,32 @@
-"""The Triton kernels this process builds (compiled, or read from Triton's disk cache),
-counted and timed through Triton's JIT hooks.
+"""The Triton kernels this process builds (compiled, or read from Triton's disk cache):
+counted and timed through Triton's JIT hooks, and built side by side where start-up can.
 
 Start-up reports how many it built and how long that took (most of a fresh machine's
 start-up). A kernel variant first needed after start-up stalls the step that needs it while
 it compiles, so each one is logged at INFO with its specialization: the start-up warm-up
 should have built it. At DEBUG every build is logged.
+
+`compile_ahead()` runs a forward without launching its Triton kernels: each kernel variant
+the forward would launch is compiled on a pool of threads instead (Triton's LLVM and ptxas
+stages release the GIL), and leaving the block waits for all of them. The forward that
+follows finds every variant built: a fresh machine's ~16 s of serial builds at start-up
+become a few seconds on a many-core host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# kernels compile_ahead still launches: collectives, which every rank must run in step
+_ALWAYS_LAUNCHED = "minivllm.worker.distributed"
 
 
 class TritonCompiles:
@@ -26,7 +39,8 @@ class TritonCompiles:
         self.after_start_up = 0
         self.installed = False
         self._serving = False
-        self._started = 0.0
+        self._ahead = False  # in compile_ahead: builds overlap, its wall time is counted
+        self._started: dict[Any, float] = {}
 
     def install(self) -> bool:
         """Hook Triton's JIT (once); False where Triton is missing."""
@@ -46,14 +60,15 @@ class TritonCompiles:
     def serving(self) -> None:
         self._serving = True
 
-    def _before(self, **_: Any) -> bool:
-        self._started = time.perf_counter()
+    def _before(self, *, key: Any, **_: Any) -> bool:
+        self._started.setdefault(key, time.perf_counter())
         return False  # a true value would tell Triton to skip the compile
 
-    def _after(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
-        took = time.perf_counter() - self._started
+    def _after(self, *, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> None:
+        took = time.perf_counter() - self._started.pop(key, time.perf_counter())
         self.count += 1
-        self.seconds += took
+        if not self._ahead:
+            self.seconds += took
         if self._serving:
             self.after_start_up += 1
             what = _described(fn, compile)
@@ -90,3 +105,60 @@ def describe(name: str, arg_names: list[str], compile: dict[str, Any]) -> str:
 
 
 compiles = TritonCompiles()
+
+
+def build_ahead(forwards: Iterable[Callable[[], object]]) -> bool:
+    """Run each forward under `compile_ahead`; False, running nothing, where builds are not
+    counted (a CPU worker, whose forwards would only run twice)."""
+    if not compiles.installed:
+        return False
+    with compile_ahead():
+        for forward in forwards:
+            forward()
+    return True
+
+
+@contextlib.contextmanager
+def compile_ahead(max_workers: int | None = None) -> Iterator[None]:
+    """Within: Triton kernels are compiled on a thread pool, not launched; on leaving, every
+    compile has finished and every kernel is loaded on the device with its launcher (a small
+    C module per signature, which a fresh machine compiles too). Torch ops still run, on
+    whatever the skipped kernels' outputs hold, so only for forwards whose host side reads
+    no device data (those a CUDA graph captures). Only in a CUDA worker (`compiles.installed`)."""
+    import torch
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    launch, do_compile = JITFunction.run, JITFunction._do_compile
+
+    def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        skip = not self.module.startswith(_ALWAYS_LAUNCHED)
+        return launch(self, *args, grid=grid, warmup=warmup or skip, **kwargs)
+
+    def compile_once(self: Any, key: Any, signature: Any, device: Any, *args: Any) -> Any:
+        kernel = do_compile(self, key, signature, device, *args)
+        if kernel is not None:
+            # the pending build stands in the kernel cache until it is done (Triton then
+            # puts the kernel there): the variant's next launches find it instead of hashing
+            # the kernel's source again, thousands of times over a graph's forwards
+            self.device_caches[device][0][key] = kernel
+        return kernel
+
+    def load(kernel: Any) -> None:
+        torch.cuda.set_device(device)  # a pool thread starts on device 0
+        kernel._init_handles()
+
+    start, device = time.perf_counter(), torch.cuda.current_device()
+    workers = max_workers or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        JITFunction.run, JITFunction._do_compile = compile_only, compile_once
+        compiles._ahead = True
+        try:
+            with _async_compile.AsyncCompileMode(pool) as mode:
+                yield
+            built = [k.kernel for k in mode.future_kernels.values() if k.kernel is not None]
+            list(pool.map(load, built))
+        finally:
+            JITFunction.run, JITFunction._do_compile = launch, do_compile
+            compiles._ahead = False
+            compiles.seconds += time.perf_counter() - start

@@ -18,7 +18,7 @@ def eager_graph_replays(graphs: bool) -> Iterator[list[tuple[str, int]]]:
     replayed: list[tuple[str, int]] = []
 
     class EagerGraphs(cuda_graphs.StepGraphs):
-        def capture(self, forward, sizes, pool=None) -> None:  # noqa: ANN001
+        def capture(self, forward, sizes, pool=None, warm_up=True) -> None:  # noqa: ANN001
             self.forward, self.sizes = forward, sorted(sizes)
 
         def replay(self, size: int):  # noqa: ANN201

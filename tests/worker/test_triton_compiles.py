@@ -6,6 +6,8 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import triton
+import triton.language as tl
 
 from minivllm.engine_core.engine_core import _phases_line
 from minivllm.worker.triton_compiles import TritonCompiles, describe
@@ -72,3 +74,32 @@ def test_ready_line_names_the_build_time_apart_from_the_phases() -> None:
     line = _phases_line(phases)
     assert line == "processes 1.2 s, profile 5.0 s; 41 Triton kernels built in 9.1 s of them"
     assert _phases_line({"processes": 1.0}) == "processes 1.0 s"
+
+
+@triton.jit
+def _fill(x_ptr, value, N: tl.constexpr):  # a tiny kernel of one variant per N
+    offs = tl.arange(0, N)
+    tl.store(x_ptr + offs, tl.zeros([N], dtype=tl.float32) + value)
+
+
+@pytest.mark.gpu
+def test_compile_ahead_builds_and_loads_every_variant_without_launching() -> None:
+    import torch
+
+    from minivllm.worker.triton_compiles import compile_ahead, compiles
+
+    fill = _fill
+    assert compiles.install()
+    x = torch.zeros(64, device="cuda")
+    before = compiles.count
+    with compile_ahead():
+        fill[(1,)](x, 3.0, N=64)
+        fill[(1,)](x, 3.0, N=64)  # the same variant again: one build
+        fill[(1,)](x, 2.0, N=32)
+    torch.cuda.synchronize()
+    assert x.sum().item() == 0  # nothing ran
+    assert compiles.count - before == 2
+    cache = fill.device_caches[torch.cuda.current_device()][0]
+    assert len(cache) == 2 and all(k.module is not None for k in cache.values())  # loaded
+    fill[(1,)](x, 3.0, N=64)
+    assert x.sum().item() == 192
