@@ -4,7 +4,7 @@
 # (no arguments: all of them, in that order; a step may be named twice). Named only:
 # [startup] (LLM() to ready three times: on a fresh machine the first compiles the Triton
 # kernels), [first-batch] (the reference workload three times on one engine), [gpu-suite]
-# (every GPU test, four processes on the one GPU, with its own 590 s limit). The quantized
+# (every GPU test, with its own 590 s limit). The quantized
 # weights' figures, named only: [quant-tests] [quant-latency] [quant-throughput]
 # [quant-kernels] [quant-accuracy] (Qwen3-8B's geometry; one or two per call). Each step's output
 # goes to $OUT/log.txt; a summary of the lines that carry figures is printed last. Steps
@@ -48,8 +48,8 @@ for step in "${STEPS[@]}"; do
     startup) run startup 300 env MINIVLLM_LOG_LEVEL=DEBUG $S/startup_profile.py --no-phases \
         --ready-runs 3 --out "$OUT/startup" ;;
     first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
-    gpu-suite) BUDGET_S=590 run gpu-suite 590 python -m pytest -q -m gpu -n 4 --dist loadfile \
-        -p no:cacheprovider --durations=20 tests ;;
+    gpu-suite) BUDGET_S=590 run gpu-suite 590 python -m pytest -q -m gpu -p no:cacheprovider \
+        -rfE --durations=20 tests ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
         -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
         tests/worker/test_gpu_moe.py ;;
