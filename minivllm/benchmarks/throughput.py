@@ -376,15 +376,16 @@ def main(args: argparse.Namespace) -> dict:
             figures.update(spec_decode_figures(llm))
         finally:
             llm.shutdown()
-        base_name, result = next((name, runs[-1]) for name, runs in results.items())
-        if len(results) > 1:
-            for name, r in ((name, runs[-1]) for name, runs in results.items()):
+        last = {name: runs[-1] for name, runs in results.items()}  # each variant's last run
+        base_name, result = next(iter(last.items()))
+        if len(last) > 1:
+            for name, r in last.items():
                 tok_s = r.output_tokens_per_s
                 share = 100 * tok_s / result.output_tokens_per_s
                 print(f"{name}: {tok_s:.0f} output tok/s = {share:.1f}% of {base_name}")
             figures["sampling_variants"] = {
                 name: {"elapsed_s": r.elapsed_s, "output_tokens_per_s": r.output_tokens_per_s}
-                for name, r in results.items()
+                for name, r in last.items()
             }
         figures.update(
             model=model if geometry is None else geometry,

@@ -90,6 +90,25 @@ def test_bench_quantized_end_to_end():
     assert 80 < float(line.group(1)) <= 100
 
 
+def test_bench_throughput_runs_the_workload_again_with_the_prefix_cache_emptied(tmp_path):
+    """--num-runs 3: three timed runs on one engine, each printed; at temperature 0 they
+    give the same tokens (the prefix cache is emptied between them)."""
+    env = {**os.environ, "PYTHONPATH": _REPO}
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, "-m", "minivllm.frontend.cli", "bench", "throughput", "--device"]
+    cmd += ["cpu", "--num-prompts", "4", "--input-len", "48", "--output-len", "4"]
+    cmd += ["--temperature", "0", "--num-runs", "3", "--output-json", str(out)]
+    cmd += ["--distributed-executor-backend", "uni"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    digests = re.findall(r"output token digest: (\w+)", proc.stdout)
+    assert len(digests) == 3 and len(set(digests)) == 1, proc.stdout
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("Run ")] == [
+        "Run 1", "Run 2", "Run 3", "Run 1 against run 3"
+    ]  # fmt: skip
+    assert len(json.loads(out.read_text())["runs"]) == 3
+
+
 def test_floor_matches_the_published_model():
     """Published: 13.87 TB of KV + 1.22 TB of weights -> 5.0 s at 3.02 TB/s."""
     w = reference_workload()

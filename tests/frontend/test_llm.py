@@ -54,6 +54,9 @@ def test_prefix_cache_hits_show_in_num_cached_tokens(llm: LLM) -> None:
     second = llm.generate({"prompt_token_ids": prompt + [5]}, params)[0]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 32
+    assert llm.reset_prefix_cache() is True  # as vLLM's: the cached blocks are dropped
+    third = llm.generate({"prompt_token_ids": prompt + [5]}, params)[0]
+    assert third.num_cached_tokens == 0
 
 
 def test_eos_ids_from_generation_config_list(tmp_path, qwen3_dir: str) -> None:
