@@ -70,7 +70,7 @@ for step in "${STEPS[@]}"; do
 done
 
 echo "======== summary ($((SECONDS - START)) s)"
-grep -E "^== |passed|failed|Error|Throughput:|LLM\(\) to ready|engine core ready|^Run |\
+grep -E "^== |passed|failed|FAILED|Error|Throughput:|LLM\(\) to ready|engine core ready|^Run |\
 after start-up|floor, |Elapsed|TTFT|TPOT|prefill of|host launch|\
 agreement|KV cache: [0-9]|captured|decode attention|cascade attention|prefill attention|\
 steps, |^decode <=|^prefill \(|decode step|graph replay|quantized linear|fp8 moe" "$LOG" \
