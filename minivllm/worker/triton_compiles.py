@@ -16,6 +16,7 @@ become a few seconds on a many-core host.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -109,13 +110,29 @@ compiles = TritonCompiles()
 
 def build_ahead(forwards: Iterable[Callable[[], object]]) -> bool:
     """Run each forward under `compile_ahead`; False, running nothing, where builds are not
-    counted (a CPU worker, whose forwards would only run twice)."""
-    if not compiles.installed:
+    counted (a CPU worker, whose forwards would only run twice) or this Triton lacks what
+    `compile_ahead` uses (its kernels then build one by one, at their first launch)."""
+    if not (compiles.installed and _can_compile_ahead()):
         return False
     with compile_ahead():
         for forward in forwards:
             forward()
     return True
+
+
+def _can_compile_ahead() -> bool:
+    """Triton's asynchronous compile mode and the two JIT methods `compile_ahead` wraps
+    (Triton 3.6's; they are not public API)."""
+    try:
+        from triton.runtime import _async_compile
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    do_compile = getattr(JITFunction, "_do_compile", None)
+    if do_compile is None or not hasattr(_async_compile, "AsyncCompileMode"):
+        return False
+    leading = list(inspect.signature(do_compile).parameters)[:4]
+    return leading == ["self", "key", "signature", "device"]
 
 
 @contextlib.contextmanager

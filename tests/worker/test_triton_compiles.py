@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from minivllm.engine_core.engine_core import _phases_line
-from minivllm.worker.triton_compiles import TritonCompiles, describe
+from minivllm.worker.triton_compiles import TritonCompiles, _can_compile_ahead, describe
 
 ARGS = ["x_ptr", "n_rows", "stride", "BLOCK"]
 
@@ -67,6 +67,12 @@ def test_install_hooks_triton_once() -> None:
         assert knobs.runtime.jit_post_compile_hook == compiles._after
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
+def test_this_triton_has_what_compile_ahead_wraps() -> None:
+    """The test extras pin the GPU machines' Triton: it must offer the asynchronous compile
+    mode and the JIT methods compile_ahead wraps (else start-up builds one by one)."""
+    assert _can_compile_ahead()
 
 
 def test_ready_line_names_the_build_time_apart_from_the_phases() -> None:
