@@ -22,6 +22,8 @@ from minivllm.engine_core.scheduler import Scheduler
 from minivllm.engine_core.step_trace import StepTrace
 from minivllm.engine_core.structured_output.manager import StructuredOutputManager
 from minivllm.protocol.messages import (
+    TRITON_BUILD_S,
+    TRITON_KERNELS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -47,7 +49,7 @@ def _freed_window(config: EngineConfig) -> int | None:
 def _phases_line(startup_s: dict[str, float]) -> str:
     """'processes 1.2 s, ..., warm-up 0.0 s; 41 Triton kernels built in 9.1 s of them'."""
     phases = dict(startup_s)
-    kernels, build_s = phases.pop("Triton kernels", None), phases.pop("Triton build", 0.0)
+    kernels, build_s = phases.pop(TRITON_KERNELS, None), phases.pop(TRITON_BUILD_S, 0.0)
     line = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
     if kernels is not None:
         line += f"; {int(kernels)} Triton kernels built in {build_s:.1f} s of them"

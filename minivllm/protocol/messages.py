@@ -354,9 +354,15 @@ class InitKVCache(msgspec.Struct, array_like=True, omit_defaults=True):
     num_blocks: int
 
 
+# keys of WorkerReady.startup_s that are not phases: how many Triton kernels the phases
+# built, and the seconds that took within them
+TRITON_KERNELS, TRITON_BUILD_S = "Triton kernels", "Triton build"
+
+
 class WorkerReady(msgspec.Struct, array_like=True, omit_defaults=True):
     """A worker has its KV cache and waits for steps. `startup_s`: seconds per start-up
-    phase (device, load, profile, KV cache, CUDA graphs, warm-up)."""
+    phase (device, load, profile, KV cache, CUDA graphs, warm-up), then on a GPU
+    TRITON_KERNELS and TRITON_BUILD_S."""
 
     rank: int
     pid: int

@@ -11,7 +11,12 @@ from typing import TypeVar
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.protocol.messages import GrammarBitmask, SchedulerOutput
+from minivllm.protocol.messages import (
+    TRITON_BUILD_S,
+    TRITON_KERNELS,
+    GrammarBitmask,
+    SchedulerOutput,
+)
 from minivllm.worker.async_output import AsyncModelRunnerOutput
 from minivllm.worker.triton_compiles import compiles
 
@@ -43,10 +48,10 @@ class Worker:
 
         cfg = self.config
         tp_size = cfg.parallel.tensor_parallel_size
-        if cfg.device.device == "cuda" and compiles.install():
-            compiles.starting()
-            self._compiles_before = (compiles.count, compiles.seconds)
         if cfg.device.device == "cuda":
+            if compiles.install():
+                compiles.starting()
+                self._compiles_before = (compiles.count, compiles.seconds)
             local = self.rank % max(torch.cuda.device_count(), 1)
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
@@ -76,9 +81,9 @@ class Worker:
         self.startup_s.update(self.model_runner.startup_s)
         if compiles.installed:
             count, seconds = self._compiles_before
-            # not a phase: the time the phases above spent building Triton kernels
-            self.startup_s["Triton kernels"] = compiles.count - count
-            self.startup_s["Triton build"] = compiles.seconds - seconds
+            # not phases: what the phases above spent building Triton kernels
+            self.startup_s[TRITON_KERNELS] = compiles.count - count
+            self.startup_s[TRITON_BUILD_S] = compiles.seconds - seconds
             compiles.serving()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

@@ -10,7 +10,14 @@ import triton
 import triton.language as tl
 
 from minivllm.engine_core.engine_core import _phases_line
-from minivllm.worker.triton_compiles import TritonCompiles, _can_compile_ahead, describe
+from minivllm.protocol.messages import TRITON_BUILD_S, TRITON_KERNELS
+from minivllm.worker.triton_compiles import (
+    TritonCompiles,
+    _can_compile_ahead,
+    compile_ahead,
+    compiles,
+    describe,
+)
 
 ARGS = ["x_ptr", "n_rows", "stride", "BLOCK"]
 
@@ -76,14 +83,14 @@ def test_this_triton_has_what_compile_ahead_wraps() -> None:
 
 
 def test_ready_line_names_the_build_time_apart_from_the_phases() -> None:
-    phases = {"processes": 1.24, "profile": 5.0, "Triton kernels": 41.0, "Triton build": 9.06}
+    phases = {"processes": 1.24, "profile": 5.0, TRITON_KERNELS: 41.0, TRITON_BUILD_S: 9.06}
     line = _phases_line(phases)
     assert line == "processes 1.2 s, profile 5.0 s; 41 Triton kernels built in 9.1 s of them"
     assert _phases_line({"processes": 1.0}) == "processes 1.0 s"
 
 
 @triton.jit
-def _fill(x_ptr, value, N: tl.constexpr):  # a tiny kernel of one variant per N
+def fill(x_ptr, value, N: tl.constexpr):  # a tiny kernel of one variant per N
     offs = tl.arange(0, N)
     tl.store(x_ptr + offs, tl.zeros([N], dtype=tl.float32) + value)
 
@@ -92,9 +99,6 @@ def _fill(x_ptr, value, N: tl.constexpr):  # a tiny kernel of one variant per N
 def test_compile_ahead_builds_and_loads_every_variant_without_launching() -> None:
     import torch
 
-    from minivllm.worker.triton_compiles import compile_ahead, compiles
-
-    fill = _fill
     assert compiles.install()
     x = torch.zeros(64, device="cuda")
     before = compiles.count
