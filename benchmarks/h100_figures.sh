@@ -48,9 +48,10 @@ for step in "${STEPS[@]}"; do
     startup) run startup 300 env MINIVLLM_LOG_LEVEL=DEBUG $S/startup_profile.py --no-phases \
         --ready-runs 3 --out "$OUT/startup" ;;
     first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
-    gpu-suite)  # -v: each test's outcome is in the log as it ends, even if the call is cut
+    gpu-suite)  # -v: each test's outcome is in the log as it ends, even if the call is cut;
+        # modules whose client packages (openai, ray) a GPU host lacks hold no GPU test
         BUDGET_S=590 run gpu-suite 590 python -m pytest -v -m gpu -p no:cacheprovider \
-            --tb=short --durations=20 tests ;;
+            --tb=short --durations=20 --continue-on-collection-errors tests ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
         -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
         tests/worker/test_gpu_moe.py ;;
