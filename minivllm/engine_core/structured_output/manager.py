@@ -116,8 +116,9 @@ class StructuredOutputManager:
         self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
         self._compiler: Future[GrammarCompiler] | None = None
         if tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
-            # built now, in the background: the tokenizer's load (and transformers' import,
-            # seconds) would otherwise delay the first structured request
+            # built now, in the background while the workers start (see `wait_compiler`):
+            # the tokenizer's load (and transformers' import, seconds) would otherwise delay
+            # the first structured request
             self._compiler = self._pool.submit(GrammarCompiler, tokenizer, vocab_size)
         # compiled grammars, least recently used first out (an 8-field JSON schema's takes
         # ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
@@ -203,6 +204,17 @@ class StructuredOutputManager:
                 late = f"the grammar did not compile within {self.compile_timeout_s:.0f} s"
                 failed.append((req_id, f"structured_outputs: {late}"))
         return failed
+
+    def wait_compiler(self) -> float:
+        """Wait for the compiler's build started at construction; the seconds waited. Called
+        before the busy loop starts: the build imports transformers and torch in a thread,
+        which holds the GIL for seconds and, left to run on, slows the engine's first steps
+        (at a lower priority, it also holds the GIL while descheduled). A failed build is
+        raised at the first structured request, as before."""
+        start = time.monotonic()
+        if self._compiler is not None:
+            concurrent.futures.wait([self._compiler])
+        return time.monotonic() - start
 
     def wait(self, timeout: float) -> None:
         """Block until a waiting request's grammar is compiled, or `timeout` seconds."""
