@@ -6,6 +6,7 @@ grammar that does not compile fails its request only."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -172,6 +173,25 @@ def test_a_compiling_grammar_does_not_hold_back_the_batch(qwen3_dir, tokenizer, 
         core.shutdown()
     assert rest["slow"]["finish"] == FinishReason.STOP
     assert tokenizer.decode(rest["slow"]["tokens"], skip_special_tokens=True).isdigit()
+
+
+def test_the_grammar_compiler_is_built_before_the_engine_serves(qwen3_dir, monkeypatch):
+    """The build (the tokenizer's load, transformers' and torch's imports: seconds holding
+    the GIL) overlaps the workers' start-up but never the engine's first steps."""
+    built = threading.Event()
+    build = GrammarCompiler.__init__
+
+    def slow_build(self, *args):
+        time.sleep(1.0)  # longer than the tiny model's start-up
+        build(self, *args)
+        built.set()
+
+    monkeypatch.setattr(GrammarCompiler, "__init__", slow_build)
+    core = make_core(qwen3_dir)
+    try:
+        assert built.is_set()
+    finally:
+        core.shutdown()
 
 
 def test_a_reused_id_is_refused_and_leaves_the_first_request_alone(qwen3_dir, tokenizer):
