@@ -84,7 +84,6 @@ class EngineCore:
         executor_class = executor_class or _executor_class(config)
         start = time.monotonic()
         model, spec = config.model, config.speculative
-        # first: its compiler builds in the background while the workers start
         self.structured = StructuredOutputManager(
             None if model.skip_tokenizer_init else model.tokenizer,
             model.vocab_size,
@@ -109,7 +108,6 @@ class EngineCore:
             self.batch_queue: deque[_InFlight] = deque()
             self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
             self.trace = StepTrace()
-            grammar_wait_s = self.structured.wait_compiler()
         except BaseException:  # the workers are up: they must not outlive a failed start
             self.structured.shutdown()
             self.executor.shutdown()
@@ -117,7 +115,7 @@ class EngineCore:
         # requests refused at arrival (or whose grammar failed), answered with an error
         # output on the next step
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
-        phases = _phases_line({**self.executor.startup_s, "grammar wait": grammar_wait_s})
+        phases = _phases_line(self.executor.startup_s)
         logger.info(
             "engine core ready in %.1f s (%s): %d KV blocks, async scheduling %s%s",
             time.monotonic() - start,

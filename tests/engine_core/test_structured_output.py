@@ -6,7 +6,6 @@ grammar that does not compile fails its request only."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -175,23 +174,31 @@ def test_a_compiling_grammar_does_not_hold_back_the_batch(qwen3_dir, tokenizer, 
     assert tokenizer.decode(rest["slow"]["tokens"], skip_special_tokens=True).isdigit()
 
 
-def test_the_grammar_compiler_is_built_before_the_engine_serves(qwen3_dir, monkeypatch):
-    """The build (the tokenizer's load, transformers' and torch's imports: seconds holding
-    the GIL) overlaps the workers' start-up but never the engine's first steps."""
-    built = threading.Event()
+def test_the_grammar_compiler_is_built_for_the_first_grammar_only(
+    qwen3_dir, tokenizer, monkeypatch
+):
+    """Its build (xgrammar's import brings transformers' and torch's: seconds holding the
+    GIL) never runs beside the steps of an engine that sees no structured request."""
+    builds = []
     build = GrammarCompiler.__init__
 
-    def slow_build(self, *args):
-        time.sleep(1.0)  # longer than the tiny model's start-up
+    def counted(self, *args):
+        builds.append(args)
         build(self, *args)
-        built.set()
 
-    monkeypatch.setattr(GrammarCompiler, "__init__", slow_build)
+    monkeypatch.setattr(GrammarCompiler, "__init__", counted)
     core = make_core(qwen3_dir)
     try:
-        assert built.is_set()
+        core.add_request(request("free", [5, 9], None, max_tokens=8, ignore_eos=True))
+        run(core)
+        assert builds == []
+        for i in range(2):
+            core.add_request(request(f"choice-{i}", [5, 9], constraints()["choice"], seed=i))
+        results = run(core)
     finally:
         core.shutdown()
+    assert len(builds) == 1
+    check_all(results, tokenizer, {"choice-0": "choice", "choice-1": "choice"})
 
 
 def test_a_reused_id_is_refused_and_leaves_the_first_request_alone(qwen3_dir, tokenizer):

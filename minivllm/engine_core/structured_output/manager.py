@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
 import logging
 import os
 import threading
@@ -114,12 +113,10 @@ class StructuredOutputManager:
             max_workers=2, thread_name_prefix="grammar", initializer=_lower_priority
         )
         self._fill_threads = max(1, min(8, (os.cpu_count() or 1) // 2))
+        # built with the first grammar, not at start-up: xgrammar's import brings transformers'
+        # and torch's (seconds holding the GIL), which an engine that never sees a structured
+        # request should not pay, nor have running beside its first steps
         self._compiler: Future[GrammarCompiler] | None = None
-        if tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
-            # built now, in the background while the workers start (see `wait_compiler`):
-            # the tokenizer's load (and transformers' import, seconds) would otherwise delay
-            # the first structured request
-            self._compiler = self._pool.submit(GrammarCompiler, tokenizer, vocab_size)
         # compiled grammars, least recently used first out (an 8-field JSON schema's takes
         # ~9 MB at Qwen3's vocabulary, a regex's or a choice's a few KB)
         self._grammars: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
@@ -204,17 +201,6 @@ class StructuredOutputManager:
                 late = f"the grammar did not compile within {self.compile_timeout_s:.0f} s"
                 failed.append((req_id, f"structured_outputs: {late}"))
         return failed
-
-    def wait_compiler(self) -> float:
-        """Wait for the compiler's build started at construction; the seconds waited. Called
-        before the busy loop starts: the build imports transformers and torch in a thread,
-        which holds the GIL for seconds and, left to run on, slows the engine's first steps
-        (at a lower priority, it also holds the GIL while descheduled). A failed build is
-        raised at the first structured request, as before."""
-        start = time.monotonic()
-        if self._compiler is not None:
-            concurrent.futures.wait([self._compiler])
-        return time.monotonic() - start
 
     def wait(self, timeout: float) -> None:
         """Block until a waiting request's grammar is compiled, or `timeout` seconds."""
