@@ -48,10 +48,16 @@ for step in "${STEPS[@]}"; do
     startup) run startup 300 env MINIVLLM_LOG_LEVEL=DEBUG $S/startup_profile.py --no-phases \
         --ready-runs 3 --out "$OUT/startup" ;;
     first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
-    gpu-suite)  # -v: each test's outcome is in the log as it ends, even if the call is cut;
-        # modules whose client packages (openai, ray) a GPU host lacks hold no GPU test
-        BUDGET_S=590 run gpu-suite 590 python -m pytest -v -m gpu -p no:cacheprovider \
-            --tb=short --durations=20 --continue-on-collection-errors tests ;;
+    gpu-suite)  # every GPU test in one call: four pytest workers on the one GPU (each test's
+        # engine has a fixed KV cache, so they fit side by side, and a fresh host's Triton
+        # builds run in parallel), then the data-parallel test, which profiles the GPU's
+        # memory, alone. -v: each outcome is in the log as it ends, even if the call is cut.
+        # Modules whose client packages (openai, ray) a GPU host lacks hold no GPU test.
+        BUDGET_S=590 run gpu-suite 480 python -m pytest -v -m gpu -p no:cacheprovider -n 4 \
+            --dist loadfile --tb=short --durations=25 --continue-on-collection-errors \
+            --ignore tests/e2e/test_data_parallel.py tests
+        BUDGET_S=590 run gpu-suite-dp 100 python -m pytest -v -m gpu -p no:cacheprovider \
+            -o console_output_style=times --tb=short tests/e2e/test_data_parallel.py ;;
     quant-tests) run quant-tests 300 python -m pytest -q -m gpu -p no:cacheprovider \
         -k "fp8 or w4a16" tests/worker/test_quant_kernels.py tests/worker/test_fp8_moe_ops.py \
         tests/worker/test_gpu_moe.py ;;
