@@ -1,7 +1,8 @@
 """transformers and xgrammar, imported under one lock. transformers loads its submodules
 lazily, and two threads importing from it (or from xgrammar, which imports it) at once can
-fail ("cannot import name ..."): the frontend's tokenizer thread, an in-process engine-core's
-grammar compiler thread and the caller's thread all may at start-up.
+fail ("cannot import name ..."): the frontend's tokenizer thread (at start-up), an in-process
+engine-core's grammar compiler thread (with the first grammar) and the caller's thread all
+may.
 """
 
 from __future__ import annotations
