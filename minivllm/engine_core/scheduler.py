@@ -238,6 +238,8 @@ class Scheduler:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
         )  # fmt: skip
         take = step.take
+        # per-step constants of the loop (it runs for every running request of every step)
+        rope_threshold, max_lookahead = self.config.long_rope_threshold, self.lookahead
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
@@ -255,11 +257,15 @@ class Scheduler:
             )
             if num_new <= 0:
                 continue
-            if self._outgrows_short_rope(request, num_computed + num_new):
+            if (
+                rope_threshold is not None
+                and not request.long_rope
+                and num_computed + num_new > rope_threshold
+            ):  # `_outgrows_short_rope`, inline
                 i -= 1
                 self._preempt(running.pop(i))
                 continue
-            lookahead = min(self.lookahead, max_len - num_computed - num_new)
+            lookahead = min(max_lookahead, max_len - num_computed - num_new) if max_lookahead else 0
             while (
                 new_block_ids := kv.allocate_slots(request, num_new, None, 0, lookahead)
             ) is None:
