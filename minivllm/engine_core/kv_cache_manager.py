@@ -164,8 +164,7 @@ class KVCacheManager:
             self._free_behind_window(req_blocks, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_slots = num_total + num_lookahead_tokens
-        # cdiv, inline: this runs for every running request of every step
-        num_new_blocks = -(-num_slots // self.block_size) - len(req_blocks) - len(hits)
+        num_new_blocks = cdiv(num_slots, self.block_size) - len(req_blocks) - len(hits)
         new_block_ids: list[int] = []
         if hits or num_new_blocks > 0:  # (a decode step mostly fits in the last block)
             num_new_blocks = max(num_new_blocks, 0)

@@ -238,7 +238,8 @@ class Scheduler:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
         )  # fmt: skip
         take = step.take
-        # per-step constants of the loop (it runs for every running request of every step)
+        # per-step constants of the loop (it runs for every running request of every step):
+        # a model without LongRoPE, a step without lookahead, skip those checks
         rope_threshold, max_lookahead = self.config.long_rope_threshold, self.lookahead
         i = 0
         while i < len(running) and step.budget > 0:
@@ -257,11 +258,9 @@ class Scheduler:
             )
             if num_new <= 0:
                 continue
-            if (
-                rope_threshold is not None
-                and not request.long_rope
-                and num_computed + num_new > rope_threshold
-            ):  # `_outgrows_short_rope`, inline
+            if rope_threshold is not None and self._outgrows_short_rope(
+                request, num_computed + num_new
+            ):
                 i -= 1
                 self._preempt(running.pop(i))
                 continue
