@@ -9,7 +9,9 @@ import http.client
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -158,6 +160,42 @@ def test_api_processes_answer_on_one_port(served: Served) -> None:
         assert choice["finish_reason"] == "length"
         r.close()
     assert {r.server_pid for r in requests} == {p.pid for p in api}
+
+
+def test_a_burst_of_connections_spreads_over_the_api_processes(served: Served) -> None:
+    """Client pools opening their connections at once: each API process takes close to
+    half (a socket shared by the processes split such bursts up to 2:1)."""
+    n, threads = 512, 8
+    conns: list[socket.socket] = []
+
+    def open_some() -> None:
+        mine = [
+            socket.create_connection(("127.0.0.1", served.port), timeout=10)
+            for _ in range(n // threads)
+        ]
+        conns.extend(mine)  # list.extend is atomic
+
+    openers = [threading.Thread(target=open_some) for _ in range(threads)]
+    try:
+        for t in openers:
+            t.start()
+        for t in openers:
+            t.join()
+        ours = {c.getsockname()[1] for c in conns}
+        deadline = time.monotonic() + 30
+        while True:
+            held = {
+                p.pid: sum(1 for c in p.net_connections("tcp") if c.raddr and c.raddr.port in ours)
+                for p in served.api_processes()
+            }
+            if sum(held.values()) == n or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert sum(held.values()) == n, held
+        assert len(held) == 2 and min(held.values()) >= 0.4 * n, held
+    finally:
+        for c in conns:
+            c.close()
 
 
 def test_metrics_sum_across_processes(served: Served) -> None:

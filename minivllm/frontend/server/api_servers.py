@@ -4,9 +4,9 @@ the same engine-cores, as vLLM's flag does.
     serve process      binds the port; starts the engine-cores (`-dp M`: M of them), or
                        knows the daemons (`--connect`); starts the API processes, watches
                        them, and stops them all
-    API process x N    uvicorn on the one listening socket (the kernel hands each new
-                       connection to one of them) and an `AsyncLLM` attached to every
-                       engine-core, as a daemon's client attaches
+    API process x N    uvicorn on its own socket of the port (the kernel hashes each new
+                       connection to one of them; listen.py) and an `AsyncLLM` attached
+                       to every engine-core, as a daemon's client attaches
     engine-core x M    as under one API process; each API process is one more client
 
 Each API process has its index (`client_index`), which keeps its internal request ids apart
@@ -68,9 +68,13 @@ def _raise_stopped(_signum: int, _frame: Any) -> None:
 
 
 def serve_from_processes(
-    args: argparse.Namespace, sock: socket.socket, chat_template: str | None, url: str
+    args: argparse.Namespace,
+    sockets: list[socket.socket],
+    chat_template: str | None,
+    url: str,
 ) -> None:
-    """Serve `sock` from `args.api_server_count` processes until SIGTERM (returns) or
+    """Serve the port of `sockets` (one per process, or one shared) from
+    `args.api_server_count` processes until SIGTERM (returns) or
     SIGINT (KeyboardInterrupt); SystemExit naming the cause if the start fails or once
     every API process has ended. Everything started is stopped before it returns."""
     multiprocessing.current_process().name = "serve"
@@ -80,8 +84,9 @@ def serve_from_processes(
         try:
             config = _launch_engines(args, group)
             # the API processes import while the engine-cores start
-            group.start_servers(args, sock, chat_template, args.api_server_count)
-            sock.close()  # each API process holds the listening socket now
+            group.start_servers(args, sockets, chat_template, args.api_server_count)
+            for sock in sockets:
+                sock.close()  # the API processes hold the listening sockets now
             group.attach(_client_settings(group, config))
             model = group.wait_ready()
         except (EngineStartupError, OSError, ValueError) as e:
@@ -172,7 +177,7 @@ class APIServerGroup:
     def start_servers(
         self,
         args: argparse.Namespace,
-        sock: socket.socket,
+        sockets: list[socket.socket],
         chat_template: str | None,
         count: int,
     ) -> None:
@@ -186,7 +191,7 @@ class APIServerGroup:
             kwargs = dict(
                 args=args,
                 chat_template=chat_template,
-                sock=sock,
+                sock=sockets[index % len(sockets)],
                 index=index,
                 metrics_dir=metrics_dir,
                 go=go_r,

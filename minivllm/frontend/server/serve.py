@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import codecs
 import logging
-import socket
 import sys
 from typing import TYPE_CHECKING
 
 from minivllm import envs
+from minivllm.frontend.server.listen import bind_listeners
 from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import freeze_startup_heap
 
@@ -278,20 +278,19 @@ def run_server(args: argparse.Namespace) -> None:
     # bound before anything starts, so a port in use fails fast and port 0 can be reported;
     # no --host binds every IPv4 interface, as vLLM does
     host = args.host or ""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, args.port))
+        sockets = bind_listeners(host, args.port, args.api_server_count)
     except OSError as e:
         raise SystemExit(f"minivllm serve: cannot listen on {host}:{args.port}: {e}") from None
     _warn_if_open(host, args.api_key)
     shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
-    url = f"http://{shown}:{sock.getsockname()[1]}"
+    url = f"http://{shown}:{sockets[0].getsockname()[1]}"
     if args.api_server_count != 1:
         from minivllm.frontend.server.api_servers import serve_from_processes
 
-        serve_from_processes(args, sock, chat_template, url)
+        serve_from_processes(args, sockets, chat_template, url)
         sys.exit(0)
+    (sock,) = sockets
     state = None
     try:
         try:
