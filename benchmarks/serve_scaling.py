@@ -10,7 +10,8 @@ well below what four API processes stream), each with its share of the concurren
 the prompts; the throughput is all their output tokens over the span from the first start to
 the last end. Per config (MxN: DP=M with N API processes): output tok/s, its ratio to the
 first config (targets: 2x2 >= 1.8x and 4x4 >= 3.2x of 1x1), mean TTFT and TPOT, and the CPU
-time per output token of each kind of process (API, engine-core, worker, client). Figures go
+time per output token of each kind of process (API, engine-core, worker, client) and each
+process's cores kept busy (CPU seconds over the span). Figures go
 to $OUT/serve_scaling.json when $OUT is set, else to --output-json if given; the servers'
 logs go to $OUT too.
 """
@@ -124,12 +125,13 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
         warm = ["--base-url", server.url, "--tokenizer", model, "--num-prompts", "64"]
         with contextlib.redirect_stdout(io.StringIO()):
             bench_serve.run([*warm, "--random-input-len", "32", "--random-output-len", "16"])
-        before = {role: _cpu_s(procs) for role, procs in roles.items()}
+        before = {role: [_cpu_s([p]) for p in procs] for role, procs in roles.items()}
         clients = _load(server.url, model, args)
-        after = {role: _cpu_s(procs) for role, procs in roles.items()}
+        after = {role: [_cpu_s([p]) for p in procs] for role, procs in roles.items()}
     tokens = sum(c["total_output_tokens"] for c in clients)
     span = max(c["end_time"] for c in clients) - min(c["start_time"] for c in clients)
-    cpu = {role: after[role] - before[role] for role in roles}
+    each = {role: [a - b for a, b in zip(after[role], before[role], strict=True)] for role in roles}
+    cpu = {role: sum(s) for role, s in each.items()}
     cpu["client"] = sum(c["client_cpu_s"] for c in clients)
     return {
         "config": config,
@@ -145,6 +147,8 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
         "mean_ttft_ms": sum(c["mean_ttft_ms"] for c in clients) / len(clients),
         "mean_tpot_ms": sum(c["mean_tpot_ms"] for c in clients) / len(clients),
         "cpu_us_per_token": {role: 1e6 * s / tokens for role, s in cpu.items()},
+        # each process's CPU seconds over the span: 1.0 is one core kept busy
+        "busy": {role: [round(s / span, 2) for s in each[role]] for role in roles if each[role]},
     }
 
 
@@ -163,7 +167,7 @@ def _report(run: dict, base: dict) -> None:
         f"{run['output_throughput']:,.0f} output tok/s, {ratio:.2f}x{verdict}; "
         f"failed {run['failed']}; TTFT {run['mean_ttft_ms']:.0f} ms, TPOT "
         f"{run['mean_tpot_ms']:.2f} ms; CPU µs per token: {cpu}; started in "
-        f"{run['startup_s']:.1f} s",
+        f"{run['startup_s']:.1f} s; cores busy per process: {run['busy']}",
         flush=True,
     )
 
