@@ -70,10 +70,11 @@ class _NextStep:
         self.num_scheduled[request.request_id] = num_new
         self.budget -= num_new
         request.num_computed_tokens += num_new
-        if num_drafts:
-            self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
-            request.num_drafts_in_flight = num_drafts
-        request.spec_token_ids = []
+        if request.spec_token_ids:  # (drafts the budget cut are dropped)
+            if num_drafts:
+                self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+                request.num_drafts_in_flight = num_drafts
+            request.spec_token_ids = []
         if request.num_computed_tokens >= len(request.all_token_ids):
             request.num_output_placeholders += 1
             grammar = request.structured_output
@@ -278,7 +279,7 @@ class Scheduler:
             cached_ids.append(request.request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(num_computed)
-            take(request, num_new, max(0, num_new - num_known))
+            take(request, num_new, num_new - num_known if num_new > num_known else 0)
 
     def _schedule_waiting(self, step: _NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks
