@@ -53,6 +53,7 @@ for step in "${STEPS[@]}"; do
         # builds run in parallel), then the data-parallel test, which profiles the GPU's
         # memory, alone. -v: each outcome is in the log as it ends, even if the call is cut.
         # Modules whose client packages (openai, ray) a GPU host lacks hold no GPU test.
+        export MINIVLLM_TEST_FAILURES=$OUT/test_failures.txt  # each failure as it happens
         BUDGET_S=590 run gpu-suite 480 python -m pytest -v -m gpu -p no:cacheprovider -n 4 \
             --dist loadfile --tb=short --durations=25 --continue-on-collection-errors \
             --ignore tests/e2e/test_data_parallel.py tests

@@ -24,6 +24,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With MINIVLLM_TEST_FAILURES=FILE, each failure's report is appended to FILE as it
+    happens: a run cut by a time limit (the GPU suite's) keeps what failed and why, which
+    pytest itself prints only at the end."""
+    path = os.environ.get("MINIVLLM_TEST_FAILURES")
+    # under pytest-xdist the controller writes what its workers report
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Paths of tiny random checkpoints: qwen3 (tied), qwen3-untied, qwen2, llama (sharded);
