@@ -96,6 +96,7 @@ class EngineArgs:
     execute_timeout: float = 300.0  # seconds a step may take; 0: no limit
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    stream_interval: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # ---- vLLM's spellings, and where the sampling defaults come from
     trust_remote_code: bool = False  # accepted; no remote code is ever run (built-in models only)
@@ -123,6 +124,7 @@ class EngineArgs:
             "tensor_parallel_size",
             "data_parallel_size",
             "data_parallel_failover_limit",
+            "stream_interval",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -239,6 +241,7 @@ class EngineArgs:
             default_sampling_params=self._default_sampling_params(hf_config),
             override_generation_config=self.override_generation_config,
             quantization=resolve_quantization(self.quantization, hf_config, load_format),
+            stream_interval=self.stream_interval,
         )
         # a layout no layer can serve fails here, not in a worker
         _ = model_cfg.sliding_windows

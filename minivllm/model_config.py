@@ -33,6 +33,9 @@ class ModelConfig:
     # checkpoint's quantization_config, else online fp8; None: the weights are in `dtype`
     # (a GGUF file's too: dequantized at load)
     quantization: str | None = None
+    # frontend: a streamed request's outputs carry this many new tokens each, the first and
+    # the last excepted (vLLM's --stream-interval; a request's own stream_interval may raise it)
+    stream_interval: int = 1
 
     @property
     def architecture(self) -> str:

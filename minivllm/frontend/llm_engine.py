@@ -46,7 +46,7 @@ class LLMEngine:
                 tokenizer, model_config.tokenizer, model_config.skip_tokenizer_init
             )
             self.input_processor = InputProcessor(model_config, self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer, model_config.stream_interval)
         except BaseException:
             self._release()
             raise

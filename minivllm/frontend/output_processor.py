@@ -105,7 +105,9 @@ class RequestState:
         parent: ParentRequest | None,
         index: int,
         queue: RequestOutputCollector | None,
+        stream_interval: int = 1,
     ) -> None:
+        """`stream_interval`: the engine's; the request's own may raise it."""
         params = request.sampling_params
         self.internal_id = request.request_id
         self.user_request_id = user_request_id
@@ -126,6 +128,19 @@ class RequestState:
             self.logprobs = RequestLogprobs(params.logprobs, params.prompt_logprobs, token_texts)
         # a new step may extend the output its consumer has not taken yet (`extend_waiting`)
         self.extends = self.delta and parent is None and self.logprobs is None and queue is not None
+        # outputs of `stream_interval` new tokens each, the first and the last excepted
+        self.stream_interval = max(params.stream_interval or 1, stream_interval)
+        self.num_received = 0  # output tokens that have come from the engine-core
+        self.num_emitted = 0  # of those, the ones an output has carried
+        self.held: list[int] = []  # DELTA: ids received but not yet in an output
+
+    def holds_back(self, finished: bool) -> bool:
+        """Whether this step's tokens wait for more before an output carries them."""
+        return (
+            not finished
+            and self.num_emitted > 0
+            and self.num_received - self.num_emitted < self.stream_interval
+        )
 
     @property
     def prompt_logprobs(self) -> PromptLogprobs | None:
@@ -197,8 +212,10 @@ class OutputProcessor:
     caller (LLMEngine, AsyncLLM) routes them.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
+        """`stream_interval`: new tokens per streamed output (`ModelConfig.stream_interval`)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)
         self.request_states: dict[str, RequestState] = {}  # by internal id
         self.user_requests: dict[str, list[str]] = {}  # user id -> its unfinished internal ids
@@ -233,6 +250,7 @@ class OutputProcessor:
                 parent,
                 index,
                 queue,
+                self.stream_interval,
             )
         self.user_requests[request_id] = [child.request_id for child in children]
         return children
@@ -269,10 +287,19 @@ class OutputProcessor:
                 if finish_reason is None:
                     result.reqs_to_abort.append(state.internal_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
+            state.num_received += len(new_token_ids)
+            if state.held:  # (DELTA) what earlier steps held back goes first
+                new_token_ids, state.held = state.held + new_token_ids, []
             if state.extend_waiting(new_token_ids, finish_reason, stop_reason):
+                state.num_emitted = state.num_received
                 if finish_reason is not None:
                     self._forget(state)
                 continue
+            if state.stream_interval > 1 and state.holds_back(finish_reason is not None):
+                if state.delta:
+                    state.held = new_token_ids
+                continue
+            state.num_emitted = state.num_received
             completion = state.completion(new_token_ids, finish_reason, stop_reason)
             if finish_reason is not None:
                 self._forget(state)
@@ -325,7 +352,7 @@ class OutputProcessor:
             if internal_id != state.internal_id:
                 result.reqs_to_abort.append(internal_id)
         self.abort_user_requests([user_id])
-        completion = state.completion([], FinishReason.ERROR, None)
+        completion = state.completion(state.held, FinishReason.ERROR, None)
         result.request_outputs.append(
             self._make_request_output(state, [completion] if completion else [], True)
         )

@@ -52,6 +52,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # new tokens per streamed output, the first and last excepted; raises the engine's
+    # --stream-interval, never lowers it (None: the engine's)
+    stream_interval: int | None = None
     presence_penalty: float = 0.0  # minus this for each token already in the output
     frequency_penalty: float = 0.0  # minus this times its count in the output, per token
     # logits of tokens in the prompt or the output: divided by this if positive, else times it
@@ -105,6 +108,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.stream_interval is not None and (
+            not isinstance(self.stream_interval, int) or self.stream_interval < 1
+        ):
+            raise ValueError(
+                f"stream_interval must be an integer >= 1 or None, got {self.stream_interval!r}"
             )
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")

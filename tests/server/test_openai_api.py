@@ -243,6 +243,18 @@ def test_metrics_scrape(server) -> None:
     assert ttft_bounds[:4] == [0.001, 0.005, 0.01, 0.02] and ttft_bounds[-1] == float("inf")
 
 
+def test_stream_interval_sets_the_tokens_per_chunk(server) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 9, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True, "stream_interval": 4, "return_token_ids": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/completions", json=body)
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        chunks = [e["choices"][0]["token_ids"] for e in events if e["choices"]]
+        assert [len(c) for c in chunks] == [1, 4, 4]
+        bad = http.post("/v1/completions", json={**body, "stream_interval": 0})
+    assert bad.status_code == 400 and "stream_interval" in bad.text
+
+
 def test_64_streams_a_quarter_dropped(server) -> None:
     prompts = [[(7 * i + j) % 300 + 3 for j in range(4 + i % 5)] for i in range(64)]
     base = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True}

@@ -61,6 +61,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    stream_interval: int | None = None  # new tokens per streamed chunk (SamplingParams')
     response_format: ResponseFormat | None = None
     # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
     structured_outputs: dict[str, Any] | None = None
