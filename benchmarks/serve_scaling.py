@@ -111,6 +111,7 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
     server_args = [model, "--device", "cpu", "-dp", str(dp), "--api-server-count", str(api)]
     server_args += ["--max-num-seqs", str(args.max_concurrency)]
     server_args += ["--num-gpu-blocks-override", str(blocks), "--disable-uvicorn-access-log"]
+    server_args += ["--stream-interval", str(args.stream_interval)]
     # the server is a process on its own: the null model is its plugin
     env = null_model_env(
         {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -182,6 +183,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--client-processes", type=int, default=8)
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="the servers' (tokens per streamed chunk)"
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     sys.path.insert(0, _REPO)
