@@ -314,7 +314,8 @@ class ModelRunner:
             step.step_id, step.req_ids, sampling.req_idx, result, step.prompt_logprobs,
             None if verification is None else sampling.num_rows, drafts,
         )  # fmt: skip
-        for j, (s, num_rows) in enumerate(zip(sampled_states, sampling.num_rows, strict=True)):
+        num_rows_each = sampling.num_rows.tolist()  # (Python ints: this runs per request)
+        for j, (s, num_rows) in enumerate(zip(sampled_states, num_rows_each, strict=True)):
             if num_rows > 1:
                 s.unsettled = True  # how many tokens it got: the next diff says
             else:
