@@ -239,8 +239,7 @@ class Scheduler:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
         )  # fmt: skip
         take = step.take
-        # per-step constants of the loop (it runs for every running request of every step):
-        # a model without LongRoPE, a step without lookahead, skip those checks
+        # per-step constants (the loop runs per request per step); None / 0 skip their checks
         rope_threshold, max_lookahead = self.config.long_rope_threshold, self.lookahead
         i = 0
         while i < len(running) and step.budget > 0:

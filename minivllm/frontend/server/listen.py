@@ -35,15 +35,18 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
     """`count` sockets bound to `host:port` (port 0: one free port for all), one per API
     process where the kernel balances them, else one socket shared by all (a list of one).
     Raises OSError if the port cannot be bound."""
-    reuseport = count > 1 and _balances_reuseport()
-    first = _bound(host, port, reuseport)
-    sockets = [first]
-    if reuseport:
-        try:
-            for _ in range(count - 1):
-                sockets.append(_bound(host, first.getsockname()[1], reuseport))
-        except BaseException:
-            for sock in sockets:
-                sock.close()
-            raise
+    if count == 1 or not _balances_reuseport():
+        return [_bound(host, port, False)]
+    # A plain bind first: it fails on a port in use, also by another server's SO_REUSEPORT
+    # sockets, which the sockets below could otherwise join and split its connections with.
+    with _bound(host, port, False) as probe:
+        port = probe.getsockname()[1]
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(_bound(host, port, True))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     return sockets
