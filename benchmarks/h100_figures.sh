@@ -50,12 +50,13 @@ for step in "${STEPS[@]}"; do
     first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
     gpu-suite)  # every GPU test in one call: four pytest workers on the one GPU (each test's
         # engine has a fixed KV cache, so they fit side by side, and a fresh host's Triton
-        # builds run in parallel), then the data-parallel test, which profiles the GPU's
+        # builds run in parallel; an idle worker takes tests from a busy one, not whole
+        # files), then the data-parallel test, which profiles the GPU's
         # memory, alone. -v: each outcome is in the log as it ends, even if the call is cut.
         # Modules whose client packages (openai, ray) a GPU host lacks hold no GPU test.
         export MINIVLLM_TEST_FAILURES=$OUT/test_failures.txt  # each failure as it happens
         BUDGET_S=590 run gpu-suite 480 python -m pytest -v -m gpu -p no:cacheprovider -n 4 \
-            --dist loadfile --tb=short --durations=25 --continue-on-collection-errors \
+            --dist worksteal --tb=short --durations=25 --continue-on-collection-errors \
             --ignore tests/e2e/test_data_parallel.py tests
         BUDGET_S=590 run gpu-suite-dp 100 python -m pytest -v -m gpu -p no:cacheprovider \
             -o console_output_style=times --tb=short tests/e2e/test_data_parallel.py ;;
