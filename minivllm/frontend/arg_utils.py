@@ -64,7 +64,8 @@ HELP = {
     "(0: no limit; the first step has none)",
     "max_logprobs": "the most logprobs a request may ask for (-1: the whole vocabulary)",
     "stream_interval": "new tokens per streamed output, the first and last excepted (1: every "
-    "token as it comes; more: fewer, larger outputs and less host work per token)",
+    "token as it comes; more: fewer, larger outputs and less host work per token); a daemon's "
+    "clients use the daemon's",
     "logprobs_mode": "what logprobs hold: log-probabilities or logits, before (raw) or after "
     "(processed) penalties, bias and temperature",
     "hf_overrides": "JSON object merged over the model's config.json",
