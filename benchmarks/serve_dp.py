@@ -29,13 +29,12 @@ def served_throughput(model: str, dp: int, args: argparse.Namespace, log_dir: st
     from minivllm.benchmarks import serve as bench_serve
     from minivllm.frontend.server.launch import ServerProcess
 
-    env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server_args = [model, "--load-format", "dummy", "--skip-tokenizer-init"]
     server_args += ["--max-model-len", str(args.max_model_len), "--device", args.device]
     server_args += ["-dp", str(dp), "--api-server-count", str(dp)]
     server_args += ["--disable-uvicorn-access-log"]
     log = os.path.join(log_dir, f"server-dp{dp}.log")
-    with ServerProcess(server_args, log_path=log, env=env, startup_timeout=600) as server:
+    with ServerProcess(server_args, log_path=log, startup_timeout=600) as server:
         (result,) = bench_serve.run(
             [
                 *("--base-url", server.url, "--tokenizer", model),

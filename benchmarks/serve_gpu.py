@@ -131,11 +131,10 @@ def served_runs(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     from minivllm.benchmarks import serve as bench_serve
     from minivllm.frontend.server.launch import ServerProcess
 
-    env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server_args = [model, "--load-format", "dummy", "--skip-tokenizer-init"]
     server_args += ["--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log"]
     log_path = os.path.join(tempfile.gettempdir(), f"minivllm-serve-{os.getpid()}.log")
-    with ServerProcess(server_args, log_path=log_path, env=env) as server:
+    with ServerProcess(server_args, log_path=log_path) as server:
         common = [
             "--base-url",
             server.url,

@@ -34,9 +34,7 @@ def main() -> None:
     from minivllm.frontend.server.launch import ServerProcess
 
     # the server is a process on its own: the null model is its plugin
-    env = null_model_env(
-        {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    )
+    env = null_model_env(os.environ)
     with tempfile.TemporaryDirectory(prefix="minivllm-null-") as tmp:
         model = build_null_checkpoint(tmp)
         blocks = 2 * args.num_prompts * -(-(args.input_len + args.output_len) // 16)

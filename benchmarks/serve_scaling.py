@@ -69,13 +69,12 @@ def _roles(serve_pid: int, api_servers: int) -> dict[str, list[psutil.Process]]:
     return roles
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
+def _cpu_s(proc: psutil.Process) -> float:
+    """Its CPU seconds so far (0 once it has ended)."""
+    with contextlib.suppress(psutil.Error):
+        t = proc.cpu_times()
+        return t.user + t.system
+    return 0.0
 
 
 def _load(url: str, model: str, args: argparse.Namespace) -> list[dict]:
@@ -113,9 +112,7 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
     server_args += ["--num-gpu-blocks-override", str(blocks), "--disable-uvicorn-access-log"]
     server_args += ["--stream-interval", str(args.stream_interval)]
     # the server is a process on its own: the null model is its plugin
-    env = null_model_env(
-        {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    )
+    env = null_model_env(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the null model on the host's cores, a GPU or not
     log = os.path.join(log_dir, f"server-{config}.log")
     started = time.perf_counter()
@@ -126,9 +123,9 @@ def run_config(config: str, model: str, args: argparse.Namespace, log_dir: str) 
         warm = ["--base-url", server.url, "--tokenizer", model, "--num-prompts", "64"]
         with contextlib.redirect_stdout(io.StringIO()):
             bench_serve.run([*warm, "--random-input-len", "32", "--random-output-len", "16"])
-        before = {role: [_cpu_s([p]) for p in procs] for role, procs in roles.items()}
+        before = {role: [_cpu_s(p) for p in procs] for role, procs in roles.items()}
         clients = _load(server.url, model, args)
-        after = {role: [_cpu_s([p]) for p in procs] for role, procs in roles.items()}
+        after = {role: [_cpu_s(p) for p in procs] for role, procs in roles.items()}
     tokens = sum(c["total_output_tokens"] for c in clients)
     span = max(c["end_time"] for c in clients) - min(c["start_time"] for c in clients)
     each = {role: [a - b for a, b in zip(after[role], before[role], strict=True)] for role in roles}

@@ -1,7 +1,8 @@
 """Start `minivllm serve` in a subprocess and wait until it answers: for benchmarks and tests.
 
 The server binds its port itself (`--port 0` picks a free one) and prints its address
-before starting the engine, so nothing probes for a free port and races to bind it.
+before starting the engine, so nothing probes for a free port and races to bind it. It
+imports the minivllm this process runs (from a checkout as from an installed package).
 """
 
 from __future__ import annotations
@@ -14,6 +15,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
+
+import minivllm
+
+# the directory that holds the minivllm package this process imported
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(minivllm.__file__)))
+
+
+def _with_this_minivllm(env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if env is None else env)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT, *paths])
+    return env
 
 
 class ServerProcess(contextlib.AbstractContextManager):
@@ -46,7 +59,7 @@ class ServerProcess(contextlib.AbstractContextManager):
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            env=env,
+            env=_with_this_minivllm(env),
         )
         if log_path:
             log.close()  # the child holds its own descriptor
