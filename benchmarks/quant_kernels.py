@@ -22,8 +22,9 @@ def _fp8_block(w: torch.Tensor) -> tuple[Callable, int]:
     from minivllm.worker.ops import fp8_gemm as ops
 
     q, s = ops.quantize_weight_block(w)
-    layer = _Layer(weight=q, weight_scale_inv=s)
-    return lambda x: Fp8BlockLinearMethod().apply(layer, x), q.nbytes + s.nbytes
+    method, layer = Fp8BlockLinearMethod(), _Layer(weight=q, weight_scale_inv=s)
+    method.process_weights_after_loading(layer)  # cuBLAS where it has block scales
+    return lambda x: method.apply(layer, x), q.nbytes + s.nbytes
 
 
 def _fp8_channel(w: torch.Tensor) -> tuple[Callable, int]:

@@ -47,8 +47,13 @@ def check_fp8_activation_quant(device: str, dtype: torch.dtype) -> None:
     for m, k in ((3, 256), (5, 200), (2, 1024)):
         x = (torch.randn(m, k, generator=gen) * 4).to(device, dtype)
         x[0, :128] = 0  # an all-zero group still has a scale
+        q_cublas, s_cublas = ops.quantize_per_group(x, 128, for_cublas=True)
+        rows = -(-m // 4) * 4  # what cuBLASLt reads: whole groups of four rows, zero past m
+        assert q_cublas.shape == (rows, k) and s_cublas.stride() == (1, rows)
+        assert not q_cublas[m:].float().any()
         for (q, s), (want_q, want_s) in (
             (ops.quantize_per_group(x, 128), ops.quantize_groups_torch(x, 128)),
+            ((q_cublas[:m], s_cublas[:m]), ops.quantize_groups_torch(x, 128)),
             (ops.quantize_per_token(x), ops.quantize_groups_torch(x, k)),
         ):
             torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
@@ -76,6 +81,10 @@ def check_fp8_gemms(device: str, dtype: torch.dtype, shapes: tuple) -> None:
         xq, xs = ops.quantize_per_group(x, 128)
         got = ops.scaled_fp8_gemm(xq, xs, wq, ws, 128, dtype, bias)
         _check_gemm(got, want, device, tol, f"block gemm {m}x{n}x{k}")
+        if ops.block_scales_on_cublas(wq, 128):
+            xq, xs = ops.quantize_per_group(x, 128, for_cublas=True)
+            got = ops.block_scaled_mm(xq, xs, wq, ws, m, dtype, bias)
+            _check_gemm(got, want, device, tol, f"block gemm on cuBLAS {m}x{n}x{k}")
         cq, cs = ops.quantize_weight_channel(w)
         want_c = ops.channel_w8a8_torch(x, cq, cs, bias).float()
         xq, xs = ops.quantize_per_token(x)
@@ -212,8 +221,15 @@ def test_quant_kernels_interpreted() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_kernels_gpu(dtype: torch.dtype) -> None:
-    """Qwen3-8B's layers (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288)."""
+    """Qwen3-8B's layers (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288);
+    on Hopper the block-scaled GEMM on cuBLAS as well."""
+    from minivllm.worker.ops import fp8_gemm as ops
+
     check_fp8_activation_quant("cuda", dtype)
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    if torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9):
+        w = torch.zeros(4096, 4096, device="cuda").to(ops.FP8)
+        assert ops.block_scales_on_cublas(w, 128), "cuBLASLt's block scales are missing"
     shapes = ((1, 6144, 4096), (4, 4096, 12288), (3, 24576, 4096), (512, 4096, 4096),
               (2048, 6144, 4096), (77, 4096, 12288))  # fmt: skip
     check_fp8_gemms("cuda", dtype, shapes)

@@ -42,6 +42,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8BlockLinearMethod(LinearMethod):
+    scale_rows = ops.BLOCK  # W's rows per scale row (1 where a shard splits a block)
+    on_cublas = False  # through `block_scaled_mm` (decided once the weights are on the device)
+
     def __init__(self, scale_name: str = "weight_scale_inv") -> None:
         self.scale_name = scale_name
 
@@ -60,6 +63,9 @@ class Fp8BlockLinearMethod(LinearMethod):
         rows = -(-n // self.scale_rows)
         add_param(layer, self.scale_name, (rows, k_blocks), torch.float32, spec)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.on_cublas = ops.block_scales_on_cublas(layer.weight, self.scale_rows)
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -71,6 +77,9 @@ class Fp8BlockLinearMethod(LinearMethod):
             cfg = ops.fp8_gemv_config(*w.shape)
             if cfg is not None:
                 return ops.fp8_gemv(x, w, scale, rows, False, cfg, bias)
+        if self.on_cublas:
+            xq, xs = ops.quantize_per_group(x, ops.BLOCK, for_cublas=True)
+            return ops.block_scaled_mm(xq, xs, w, scale, x.shape[0], x.dtype, bias)
         xq, xs = ops.quantize_per_group(x, ops.BLOCK)
         return ops.scaled_fp8_gemm(xq, xs, w, scale, rows, x.dtype, bias)
 
