@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BENCHMARKS = os.path.join(_REPO, "benchmarks")
 TOOLS = ["allreduce", "grammar", "kernels", "kv_accuracy", "overhead", "step", "tp_equality"]
-TOOLS += ["trace", "frontend", "clients"]
+TOOLS += ["trace", "frontend", "clients", "ab_trees"]
 
 
 def _env() -> dict[str, str]:
@@ -75,6 +76,20 @@ def test_a_script_runs_from_its_file(tmp_path) -> None:
     )
     assert "WARNING" not in out.stdout  # every stream got its 32 tokens
     assert (tmp_path / "overhead.json").exists()
+
+
+def test_two_trees_run_side_by_side(tmp_path) -> None:
+    """ab_trees.py with this tree as both: each tree's engine in its own process, on its
+    own PYTHONPATH, answering alternating rounds."""
+    cmd = [sys.executable, os.path.join(_BENCHMARKS, "ab_trees.py"), _REPO, _REPO]
+    cmd += ["--tiny", "--rounds", "2"]
+    env = {**_env(), "OUT": str(tmp_path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = re.findall(r"^round (\d) (base|new): [\d,]+ output tok/s", out.stdout, re.M)
+    assert rounds == [("1", "base"), ("1", "new"), ("2", "new"), ("2", "base")], out.stdout
+    assert re.search(r"^new/base: throughput \d+\.\d+, TPOT \d", out.stdout, re.M)
+    assert len(json.loads((tmp_path / "ab_trees.json").read_text())["new"]) == 2
 
 
 def test_each_engine_core_output_goes_only_to_its_client(monkeypatch) -> None:
