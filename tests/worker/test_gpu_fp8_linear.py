@@ -31,16 +31,16 @@ def _cublas_has_block_scales() -> bool:
 
 
 def test_block_fp8_cuda_graphs_give_the_eager_tokens(fp8_dir: str, monkeypatch) -> None:
-    from minivllm.worker.ops import fp8_gemm as ops
+    from minivllm.worker.ops import fp8_cublas
 
     rows: list[int] = []
-    real = ops.block_scaled_mm
+    real = fp8_cublas.block_scaled_mm
 
     def counted(xq: torch.Tensor, *args, **kw) -> torch.Tensor:
         rows.append(xq.shape[0])
         return real(xq, *args, **kw)
 
-    monkeypatch.setattr(ops, "block_scaled_mm", counted)
+    monkeypatch.setattr(fp8_cublas, "block_scaled_mm", counted)
     ps = prompts(n=12, seed=9)
     kw = dict(dtype="bfloat16", distributed_executor_backend="uni")
     eager = generate(fp8_dir, ps, GREEDY, enforce_eager=True, **kw)

@@ -68,6 +68,7 @@ def check_fp8_activation_quant(device: str, dtype: torch.dtype) -> None:
 def check_fp8_gemms(device: str, dtype: torch.dtype, shapes: tuple) -> None:
     """The block and per-channel paths, GEMM for many rows and GEMV for few, against the
     float32 references (x quantized, W dequantized, then a matmul)."""
+    from minivllm.worker.ops import fp8_cublas
     from minivllm.worker.ops import fp8_gemm as ops
 
     gen = torch.Generator().manual_seed(1)
@@ -81,9 +82,9 @@ def check_fp8_gemms(device: str, dtype: torch.dtype, shapes: tuple) -> None:
         xq, xs = ops.quantize_per_group(x, 128)
         got = ops.scaled_fp8_gemm(xq, xs, wq, ws, 128, dtype, bias)
         _check_gemm(got, want, device, tol, f"block gemm {m}x{n}x{k}")
-        if ops.block_scales_on_cublas(wq, 128):
+        if fp8_cublas.block_scales_on_cublas(wq, 128):
             xq, xs = ops.quantize_per_group(x, 128, for_cublas=True)
-            got = ops.block_scaled_mm(xq, xs, wq, ws, m, dtype, bias)
+            got = fp8_cublas.block_scaled_mm(xq, xs, wq, ws, m, dtype, bias)
             _check_gemm(got, want, device, tol, f"block gemm on cuBLAS {m}x{n}x{k}")
         cq, cs = ops.quantize_weight_channel(w)
         want_c = ops.channel_w8a8_torch(x, cq, cs, bias).float()
@@ -223,13 +224,14 @@ def test_quant_kernels_interpreted() -> None:
 def test_fp8_kernels_gpu(dtype: torch.dtype) -> None:
     """Qwen3-8B's layers (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288);
     on Hopper the block-scaled GEMM on cuBLAS as well."""
+    from minivllm.worker.ops import fp8_cublas
     from minivllm.worker.ops import fp8_gemm as ops
 
     check_fp8_activation_quant("cuda", dtype)
     cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
     if torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9):
         w = torch.zeros(4096, 4096, device="cuda").to(ops.FP8)
-        assert ops.block_scales_on_cublas(w, 128), "cuBLASLt's block scales are missing"
+        assert fp8_cublas.block_scales_on_cublas(w, 128), "cuBLASLt's block scales are missing"
     shapes = ((1, 6144, 4096), (4, 4096, 12288), (3, 24576, 4096), (512, 4096, 4096),
               (2048, 6144, 4096), (77, 4096, 12288))  # fmt: skip
     check_fp8_gemms("cuda", dtype, shapes)

@@ -15,7 +15,7 @@ GEMM that applies both scales in its K loop (`scaled_fp8_gemm`, tl.dot on FP8 te
 and for one to four rows (batch-1 decode) a GEMV that quantizes its row's groups itself, so
 a decode step pays no extra launch per layer (`fp8_gemv`). Where cuBLASLt takes the scales,
 torch._scaled_mm replaces the GEMM: per-channel scales row-wise on any GPU with FP8 cuBLAS,
-block scales on Hopper (`block_scaled_mm`, where cuBLASLt has DeepSeek's recipe).
+block scales on Hopper (fp8_cublas.py, where cuBLASLt has DeepSeek's recipe).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def quantize_per_group(
     x: torch.Tensor, group: int = BLOCK, for_cublas: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (16-bit or float32) -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]).
-    `for_cublas`: as `block_scaled_mm` reads them, M rounded up to four rows (the extra rows
+    `for_cublas`: as `fp8_cublas.block_scaled_mm` reads them, M rounded up to four rows (the extra rows
     zero) and the scales column-major (stride [1, M])."""
     m, k = x.shape
     assert x.stride(1) == 1
@@ -287,50 +287,6 @@ def scaled_fp8_gemm(
         num_warps=warps, num_stages=stages, **pdl(a),
     )  # fmt: skip
     return c
-
-
-def block_scaled_mm(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    m: int,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`quantize_per_group(x, for_cublas=True)`'s rows times e4m3 W [N, K] with its 128x128
-    block scales [N/128, K/128], on cuBLASLt through torch._scaled_mm (DeepSeek's recipe:
-    1x128 groups of x, 128x128 blocks of W); the first m rows."""
-    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
-    return y if bias is None else y + bias
-
-
-def block_scales_on_cublas(w: torch.Tensor, scale_rows: int) -> bool:
-    """Whether W [N, K] with its block scales goes through `block_scaled_mm`: one scale per
-    128x128 block, N a multiple of 128 and K of 512 (cuBLASLt reads the scales four K blocks
-    at a time), on a device where cuBLASLt has block scales (Hopper, CUDA 12.9+)."""
-    n, k = w.shape
-    if not w.is_cuda or scale_rows != BLOCK or n % BLOCK or k % (4 * BLOCK):
-        return False
-    return _cublas_block_scales(w.device.index or 0)
-
-
-@functools.cache
-def _cublas_block_scales(index: int) -> bool:
-    """Tried once per device on a small problem against the float32 reference: False where
-    torch or cuBLASLt lacks the recipe (it raises) or it disagrees."""
-    if torch.cuda.get_device_capability(index) != (9, 0):
-        return False
-    device = torch.device("cuda", index)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(6, 512, device=device, generator=gen).to(torch.bfloat16)
-    wq, ws = quantize_weight_block(torch.randn(256, 512, device=device, generator=gen) * 0.05)
-    try:
-        got = block_scaled_mm(*quantize_per_group(x, for_cublas=True), wq, ws, 6, x.dtype)
-    except RuntimeError:
-        return False
-    want = block_w8a8_torch(x, wq, ws)
-    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
 
 
 class Fp8GemvConfig(NamedTuple):

@@ -33,6 +33,7 @@ from minivllm.worker.layers.quantization.base import (
     replace_param,
 )
 from minivllm.worker.layers.quantization.fp8_moe import Fp8MoEMethod
+from minivllm.worker.ops import fp8_cublas
 from minivllm.worker.ops import fp8_gemm as ops
 from minivllm.worker.ops.fp8_gemm import fp8_kernels
 
@@ -64,7 +65,7 @@ class Fp8BlockLinearMethod(LinearMethod):
         add_param(layer, self.scale_name, (rows, k_blocks), torch.float32, spec)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self.on_cublas = ops.block_scales_on_cublas(layer.weight, self.scale_rows)
+        self.on_cublas = fp8_cublas.block_scales_on_cublas(layer.weight, self.scale_rows)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -79,7 +80,7 @@ class Fp8BlockLinearMethod(LinearMethod):
                 return ops.fp8_gemv(x, w, scale, rows, False, cfg, bias)
         if self.on_cublas:
             xq, xs = ops.quantize_per_group(x, ops.BLOCK, for_cublas=True)
-            return ops.block_scaled_mm(xq, xs, w, scale, x.shape[0], x.dtype, bias)
+            return fp8_cublas.block_scaled_mm(xq, xs, w, scale, x.shape[0], x.dtype, bias)
         xq, xs = ops.quantize_per_group(x, ops.BLOCK)
         return ops.scaled_fp8_gemm(xq, xs, w, scale, rows, x.dtype, bias)
 
