@@ -280,6 +280,14 @@ async def send_msg_async(sock: zmq.asyncio.Socket, frames: Frames, copy: bool = 
     await sock.send_multipart(frames, copy=copy)
 
 
+def recv_msg_nowait(sock: zmq.Socket) -> list[memoryview] | None:
+    """`recv_msg` of a message that has arrived, or None at once if none has."""
+    try:
+        return [frame.buffer for frame in sock.recv_multipart(zmq.NOBLOCK, copy=False)]
+    except zmq.Again:
+        return None
+
+
 async def recv_msg_async(sock: zmq.asyncio.Socket) -> list[memoryview]:
     """`recv_msg` for asyncio sockets; wrap in `asyncio.wait_for` for a timeout."""
     return [frame.buffer for frame in await sock.recv_multipart(copy=False)]

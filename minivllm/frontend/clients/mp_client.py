@@ -57,6 +57,7 @@ ENGINE_TIMEOUT_S = 3.0  # the core heartbeats every 0.5 s
 PROBE_AFTER_S = 0.7  # a daemon silent this long: is anything still listening at its address?
 HEARTBEAT_INTERVAL_S = 1.0
 _POLL_MS = 100
+_READS_IN_A_ROW = 16  # messages read without a wait before the loop gets a turn
 T = TypeVar("T")
 
 
@@ -321,14 +322,23 @@ class AsyncMPClient(_MPClient):
 
     async def _read_loop(self) -> None:
         assert self.outputs is not None
+        in_a_row = 0
         try:
             while True:
-                # poll, then receive what is there: cancelling a pending receive on a timeout
-                # could drop a message that had already arrived
-                if not await self.output_async.poll(_POLL_MS, zmq.POLLIN):
-                    self._check_alive(heard_nothing=True)
+                # what has arrived is read at once: a wait on the event loop (its futures,
+                # reader callbacks and timer) costs more than a small message's handling,
+                # and a data-parallel client gets a message per core per step
+                frames = transport.recv_msg_nowait(self.output_sock)
+                if frames is None:
+                    in_a_row = 0
+                    # poll, then receive what is there: cancelling a pending receive on a
+                    # timeout could drop a message that had already arrived
+                    if not await self.output_async.poll(_POLL_MS, zmq.POLLIN):
+                        self._check_alive(heard_nothing=True)
                     continue
-                frames = await transport.recv_msg_async(self.output_async)
+                in_a_row += 1
+                if in_a_row % _READS_IN_A_ROW == 0:
+                    await asyncio.sleep(0)  # a long backlog leaves the event loop its turns
                 msg = self._decode_output(frames)
                 if msg is None:
                     continue
