@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("new", help="the tree compared with it")
     p.add_argument("--rounds", type=int, default=6, help="alternating rounds (each runs both)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no round after this")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model and 8 short requests")
+    p.add_argument(
+        "--tiny", action="store_true", help="a 2-layer model, 8 short requests, 16-token latency"
+    )
 
 
 def _reference(tiny: bool) -> tuple[list[list[int]], list[int]]:
@@ -65,6 +67,7 @@ def _child(model: str, tiny: bool) -> None:
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in outs]
     seeds = iter(range(10**6, 2 * 10**6))
+    out_len, warmup, iters = (16, 1, 3) if tiny else (128, 3, 10)
 
     def one(max_tokens: int) -> float:
         rng = random.Random(next(seeds))
@@ -83,11 +86,11 @@ def _child(model: str, tiny: bool) -> None:
             tokens = sum(len(r.outputs[0].token_ids) for r in done)
             out = {"seconds": seconds, "tok_s": tokens / seconds, "tokens": tokens}
         elif line.strip() == "latency":  # as `minivllm bench latency`, 3 + 10 iterations
-            for _ in range(3):
-                one(128)
-            avg = statistics.mean(one(128) for _ in range(10))
-            ttft = statistics.median(one(1) for _ in range(10))
-            out = {"ttft_ms": ttft * 1e3, "tpot_ms": (avg - ttft) / 127 * 1e3}
+            for _ in range(warmup):
+                one(out_len)
+            avg = statistics.mean(one(out_len) for _ in range(iters))
+            ttft = statistics.median(one(1) for _ in range(iters))
+            out = {"ttft_ms": ttft * 1e3, "tpot_ms": (avg - ttft) / (out_len - 1) * 1e3}
         else:
             break
         print("RESULT " + json.dumps(out), flush=True)
@@ -131,9 +134,11 @@ def _report(runs: dict[str, list[dict[str, float]]]) -> None:
     for name, m in means.items():
         print(f"{name}: mean {m['tok_s']:,.0f} output tok/s, TPOT {m['tpot_ms']:.4f} ms, "
               f"TTFT {m['ttft_ms']:.3f} ms over {len(runs[name])} rounds")  # fmt: skip
-    new, base = means["new"], means["base"]
-    print(f"new/base: throughput {new['tok_s'] / base['tok_s']:.4f}, TPOT "
-          f"{new['tpot_ms'] / base['tpot_ms']:.4f}, TTFT {new['ttft_ms'] / base['ttft_ms']:.4f}")  # fmt: skip
+    ratios = {k: means["new"][k] / means["base"][k] for k in ("tok_s", "tpot_ms", "ttft_ms")}
+    print(
+        f"new/base: throughput {ratios['tok_s']:.4f}, TPOT {ratios['tpot_ms']:.4f}, "
+        f"TTFT {ratios['ttft_ms']:.4f}"
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
@@ -156,8 +161,9 @@ def main(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
             for name in ("base", "new") if i % 2 == 0 else ("new", "base"):
                 r = {**trees[name].ask("reference"), **trees[name].ask("latency")}
                 runs[name].append(r)
-                print(f"round {i + 1} {name}: {r['tok_s']:,.0f} output tok/s ({r['seconds']:.3f} s), "
-                      f"TPOT {r['tpot_ms']:.3f} ms, TTFT {r['ttft_ms']:.2f} ms", flush=True)  # fmt: skip
+                line = f"{r['tok_s']:,.0f} output tok/s ({r['seconds']:.3f} s), TPOT "
+                line += f"{r['tpot_ms']:.3f} ms, TTFT {r['ttft_ms']:.2f} ms"
+                print(f"round {i + 1} {name}: {line}", flush=True)
         for tree in trees.values():
             tree.stop()
     if runs["base"]:

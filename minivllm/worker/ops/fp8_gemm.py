@@ -155,8 +155,8 @@ def quantize_per_group(
     x: torch.Tensor, group: int = BLOCK, for_cublas: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (16-bit or float32) -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]).
-    `for_cublas`: as `fp8_cublas.block_scaled_mm` reads them, M rounded up to four rows (the extra rows
-    zero) and the scales column-major (stride [1, M])."""
+    `for_cublas`: as `fp8_cublas.block_scaled_mm` reads them, M rounded up to four rows (the
+    extra rows zero) and the scales column-major (stride [1, M])."""
     m, k = x.shape
     assert x.stride(1) == 1
     num_groups = -(-k // group)
