@@ -25,14 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 40960,
-    "rope_theta": 1000000, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
-    "torch_dtype": "bfloat16", "tie_word_embeddings": True, "bos_token_id": 151643,
-    "eos_token_id": 151645, "num_hidden_layers": 28, "hidden_size": 1024,
-    "num_attention_heads": 16, "intermediate_size": 3072,
-}  # fmt: skip
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}  # fmt: skip
 
@@ -47,13 +40,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _reference(tiny: bool) -> tuple[list[list[int]], list[int]]:
-    """The reference workload (see minivllm/benchmarks/workloads.py), drawn here so both
-    trees get the same prompts whatever their own code does."""
-    rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
-    outs = [rng.randint(100, 1024) for _ in range(256)]
-    return (prompts[:8], [16] * 8) if tiny else (prompts, outs)
+def _write_model(model: str, tiny: bool) -> None:
+    """Qwen3-0.6B's geometry (TINY's overrides with --tiny) and the reference workload (8
+    requests of 16 tokens with --tiny), both from this tree's minivllm, written into `model`
+    so that both trees read the same config and prompts whatever their own code holds."""
+    sys.path.insert(0, _REPO)  # this process only: each tree's engine imports its own
+    from minivllm.benchmarks.geometry import GEOMETRIES
+    from minivllm.benchmarks.workloads import reference_workload
+
+    workload = reference_workload()
+    prompts, outs = workload.prompts, workload.output_lens
+    if tiny:
+        prompts, outs = prompts[:8], [16] * 8
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({**GEOMETRIES["qwen3-0.6b"], **(TINY if tiny else {})}, f)
+    with open(os.path.join(model, "workload.json"), "w") as f:
+        json.dump({"prompts": prompts, "output_lens": outs}, f)
 
 
 def _child(model: str, tiny: bool) -> None:
@@ -63,9 +65,13 @@ def _child(model: str, tiny: bool) -> None:
     kv = (2 if tiny else 40) << 30
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               kv_cache_memory_bytes=kv)  # fmt: skip
-    prompts, outs = _reference(tiny)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in outs]
+    with open(os.path.join(model, "workload.json")) as f:
+        workload = json.load(f)
+    reqs = [{"prompt_token_ids": p} for p in workload["prompts"]]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True)
+        for n in workload["output_lens"]
+    ]
     seeds = iter(range(10**6, 2 * 10**6))
     out_len, warmup, iters = (16, 1, 3) if tiny else (128, 3, 10)
 
@@ -149,8 +155,7 @@ def main(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         tempfile.TemporaryDirectory() as model,
         open(os.path.join(out_dir, "ab_trees.log"), "w") as log,
     ):
-        with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump({**QWEN3_0_6B, **(TINY if args.tiny else {})}, f)
+        _write_model(model, args.tiny)
         trees = {name: _Tree(name, getattr(args, name), model, args.tiny, log) for name in runs}
         print(f"both engines ready at {time.time() - start:.1f} s", flush=True)
         for name, tree in trees.items():
