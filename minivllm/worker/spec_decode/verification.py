@@ -17,7 +17,8 @@ ordinary draw, and a seeded (or greedy) request returns the tokens it would with
 speculation. Rows with a draft distribution (a draft model sampling at temperature > 0)
 draw their acceptance and residual from noise of their own.
 
-Everything stays on the device: the accepted counts reach the host with the step's tokens.
+Everything stays on the device (`ops.accepted_tokens`: one kernel on CUDA): the accepted
+counts reach the host with the step's tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minivllm.worker.ops.accepted_tokens import accepted_tokens
 from minivllm.worker.ops.sampling import filtered_scores, sample, uniform_noise
 
 # salts the request's seed for the acceptance draws, apart from the token draws' noise
@@ -74,18 +76,9 @@ def verify(
     row_tokens = sampled
     if v.draft_probs is not None:
         accept, row_tokens = _accept_with_probs(sampled, accept, v, processed, meta)
-    n, width = len(v.num_rows), v.width
-    slots = v.slots
-    table = torch.full((n * width,), -1, dtype=torch.int64, device=sampled.device)
-    table[slots] = row_tokens
-    accepted = torch.zeros(n * width, dtype=torch.int32, device=sampled.device)
-    accepted[slots] = accept.to(torch.int32)
-    num_tokens = accepted.view(n, width).cumprod(1).sum(1) + 1
-    table = table.view(n, width)
-    position = torch.arange(width, device=sampled.device)
-    table = table.masked_fill(position[None, :] >= num_tokens[:, None], -1)
-    last = table.gather(1, (num_tokens - 1)[:, None]).squeeze(1)
-    kept = (slots % width) < num_tokens[slots // width]
+    table, num_tokens, last, kept = accepted_tokens(
+        row_tokens, accept, v.slots, len(v.num_rows), v.width
+    )
     return VerifiedTokens(table, num_tokens, last, row_tokens, kept)
 
 
