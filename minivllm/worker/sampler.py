@@ -9,7 +9,8 @@
    it), then (`StepProcessing.apply`) allowed token ids, bad words, min_tokens, logit bias,
    penalties, on a float32 copy, each only if some row uses it;
 3. the draw (`ops.sampling.sample`: temperature, min-p, top-k, top-p, greedy or seeded
-   random; a Triton kernel on CUDA, its torch reference elsewhere);
+   random; a Triton kernel on CUDA, its torch reference elsewhere; a step whose every row
+   is greedy takes one argmax instead, the token the draw picks for a greedy row);
 4. with draft tokens to verify, which of them the step accepts (spec_decode/verification.py:
    the rows are the positions after the request's last token and each of its drafts);
 5. the logprobs asked for (`ops.logprobs.gather_logprobs`): the sampled token's, its rank
@@ -28,12 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minivllm.protocol.sampling_params import GREEDY_EPS
 from minivllm.worker.grammar_bitmask import GrammarMask
 from minivllm.worker.input_batch import NO_LOGPROBS, InputBatch
 from minivllm.worker.logits_processors import LogitsProcessors, StepProcessing, to_device
 from minivllm.worker.ops.bitmask import apply_token_bitmask
 from minivllm.worker.ops.logprobs import gather_logprobs
-from minivllm.worker.ops.sampling import filtered_scores, sample
+from minivllm.worker.ops.sampling import argmax_rows, filtered_scores, sample
 from minivllm.worker.spec_decode.verification import Verification, VerifiedTokens, verify
 from minivllm.worker.step_buffers import StepBuffers
 
@@ -79,6 +81,7 @@ class SamplingMetadata:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    all_greedy: bool  # every row greedy: the draw is one argmax
     processing: StepProcessing | None = None  # None: no row uses any logits processing
     logprobs: LogprobsRequest | None = None  # None: no row asked
 
@@ -102,6 +105,7 @@ class SamplingMetadata:
             use_top_k=bool((h.top_k[:n] > 0).any()),
             use_top_p=bool((h.top_p[:n] < 1.0).any()),
             use_min_p=bool((h.min_p[:n] > 0.0).any()),
+            all_greedy=bool((h.temperature[:n] < GREEDY_EPS).all()),
             processing=processing,
             logprobs=logprobs,
         )
@@ -179,10 +183,13 @@ class Sampler:
         if grammar is not None:
             apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
         processed = logits if meta.processing is None else meta.processing.apply(logits)
-        top_k, top_p, min_p = meta.filters()
-        sampled = sample(
-            processed, meta.temperature, top_k, top_p, min_p, meta.seeds, meta.positions
-        )
+        if meta.all_greedy:  # the draw's pick on greedy rows, without its launches
+            sampled = argmax_rows(processed)
+        else:
+            top_k, top_p, min_p = meta.filters()
+            sampled = sample(
+                processed, meta.temperature, top_k, top_p, min_p, meta.seeds, meta.positions
+            )
         verified = kept = None
         row_tokens = sampled
         if verification is not None:
