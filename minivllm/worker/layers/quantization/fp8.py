@@ -36,6 +36,7 @@ from minivllm.worker.layers.quantization.fp8_moe import Fp8MoEMethod
 from minivllm.worker.ops import fp8_cublas
 from minivllm.worker.ops import fp8_gemm as ops
 from minivllm.worker.ops.fp8_gemm import fp8_kernels
+from minivllm.worker.ops.fp8_gemv import fp8_gemv, fp8_gemv_config
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +76,9 @@ class Fp8BlockLinearMethod(LinearMethod):
             return F.linear(x, ops.dequantize_block(w, scale, x.dtype, rows), bias)
         x = _rows(x)
         if x.shape[0] <= 4:
-            cfg = ops.fp8_gemv_config(*w.shape)
+            cfg = fp8_gemv_config(*w.shape)
             if cfg is not None:
-                return ops.fp8_gemv(x, w, scale, rows, False, cfg, bias)
+                return fp8_gemv(x, w, scale, rows, False, cfg, bias)
         if self.on_cublas:
             xq, xs = ops.quantize_per_group(x, ops.BLOCK, for_cublas=True)
             return fp8_cublas.block_scaled_mm(xq, xs, w, scale, x.shape[0], x.dtype, bias)
@@ -112,9 +113,9 @@ class Fp8ChannelLinearMethod(LinearMethod):
             xs = s.view(1, 1).expand(x.shape[0], 1).contiguous()
         else:
             if x.shape[0] <= 4:
-                cfg = ops.fp8_gemv_config(*w.shape)
+                cfg = fp8_gemv_config(*w.shape)
                 if cfg is not None:
-                    return ops.fp8_gemv(x, w, scale, 1, True, cfg, bias)
+                    return fp8_gemv(x, w, scale, 1, True, cfg, bias)
             xq, xs = ops.quantize_per_token(x)
         if (
             x.is_cuda
