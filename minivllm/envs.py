@@ -25,6 +25,7 @@ the variable.
 | MINIVLLM_GRAMMAR_CACHE_MB        | 512     | compiled structured-output grammars the engine-core keeps, in MB |
 | MINIVLLM_GRAMMAR_COMPILE_TIMEOUT | 60      | seconds a grammar may compile before its request fails |
 | MINIVLLM_PLUGINS                 | unset   | `module:function,...`: called once in every process before it reads the model registry (`model_registry.py`) |
+| MINIVLLM_SPIN_WAIT_US            | 3000    | on CUDA, µs a worker waits for its next step (and the engine-core for a worker's output) awake, polling, before it sleeps; 0: sleep at once |
 """
 
 from __future__ import annotations
@@ -69,10 +70,21 @@ log_stats_interval_s = _number("MINIVLLM_LOG_STATS_INTERVAL", 10.0)
 ray_placement_timeout_s = _number("MINIVLLM_RAY_PLACEMENT_TIMEOUT", 120.0)
 grammar_compile_timeout_s = _number("MINIVLLM_GRAMMAR_COMPILE_TIMEOUT", 60.0)
 _grammar_cache_mb = _number("MINIVLLM_GRAMMAR_CACHE_MB", 512)
+_spin_wait_us = _number("MINIVLLM_SPIN_WAIT_US", 3000)
 
 
 def grammar_cache_bytes() -> int:
     return int(_grammar_cache_mb() * (1 << 20))
+
+
+def spin_wait_s(device: str) -> float:
+    """How long a worker on `device` polls for its next step, and the engine-core for its
+    workers' outputs, before sleeping. A thread woken from sleep runs its next host work
+    slowly (cold caches, a core that clocked down): on an H200 host a batch-1 step's input
+    preparation took 540-640 µs woken against 330 µs awake, and each ipc hop 170-200 µs
+    against 65-95. Only on CUDA, where a spinning core costs nothing the GPU waits for; a
+    CPU engine needs every core for its forward."""
+    return _spin_wait_us() / 1e6 if device == "cuda" else 0.0
 
 
 def plugins() -> list[str]:

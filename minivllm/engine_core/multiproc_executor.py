@@ -73,6 +73,7 @@ class MultiprocExecutor(Executor):
         if config.parallel.visible_devices is not None:  # this data-parallel rank's GPUs
             os.environ["CUDA_VISIBLE_DEVICES"] = config.parallel.visible_devices
         self.ipc_dir = private_ipc_dir("workers")
+        self.spin_s = envs.spin_wait_s(config.device.device)  # waiting for a worker's output
         self.ctx = zmq.Context()
         self.encoder, self.decoder = MsgEncoder(), MsgDecoder(WORKER_TO_CORE)
         self.results, result_addr = transport.bind_socket(
@@ -226,7 +227,7 @@ class MultiprocExecutor(Executor):
     def _recv(self, timeout_ms: int) -> Any:
         """The next message from a worker; None if none came within `timeout_ms` (or what
         came did not decode)."""
-        frames = transport.recv_msg(self.results, timeout_ms=timeout_ms)
+        frames = transport.recv_msg(self.results, timeout_ms=timeout_ms, spin_s=self.spin_s)
         if frames is None:
             return None
         return transport.decode_or_drop(self.decoder, frames, "the results socket")

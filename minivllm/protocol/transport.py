@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -215,9 +216,23 @@ def send_msg(sock: zmq.Socket, frames: Frames, copy: bool = False) -> None:
     sock.send_multipart(frames, copy=copy)
 
 
-def recv_msg(sock: zmq.Socket, timeout_ms: int | None = None) -> list[memoryview] | None:
+def recv_msg(
+    sock: zmq.Socket, timeout_ms: int | None = None, spin_s: float = 0.0
+) -> list[memoryview] | None:
     """Receive one multipart message as memoryviews over ZMQ's buffers (no copy), or None
-    if nothing arrived within `timeout_ms` (None waits forever)."""
+    if nothing arrived within `timeout_ms` (None waits forever). `spin_s`: first poll for
+    that long without sleeping, so a message that comes soon finds the thread awake (see
+    `envs.spin_wait_s`); the spin counts towards `timeout_ms`."""
+    if spin_s:
+        start = time.perf_counter()
+        while True:
+            try:  # (the call hands the GIL to other threads while it looks)
+                return [frame.buffer for frame in sock.recv_multipart(zmq.NOBLOCK, copy=False)]
+            except zmq.Again:
+                if time.perf_counter() - start >= spin_s:
+                    break
+        if timeout_ms is not None:
+            timeout_ms = max(0, timeout_ms - int(1000 * spin_s))
     if timeout_ms is not None and not sock.poll(timeout_ms, zmq.POLLIN):
         return None
     return [frame.buffer for frame in sock.recv_multipart(copy=False)]

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.logging_utils import configure_process_logging
 from minivllm.process_utils import die_with_parent, freeze_startup_heap
@@ -96,9 +97,11 @@ def serve(
         if out is not None:  # rank 0 answers
             send(out)
 
+    spin_s = envs.spin_wait_s(config.device.device)
+
     def recv():
         while True:
-            frames = transport.recv_msg(steps)
+            frames = transport.recv_msg(steps, spin_s=spin_s)
             msg = transport.decode_or_drop(decoder, frames, "its step socket", f"worker {rank} ")
             if msg is not None:
                 return msg

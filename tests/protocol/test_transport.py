@@ -163,3 +163,36 @@ def test_asyncio_sockets(ipc_dir: str) -> None:
             actx.term()
 
     asyncio.run(main())
+
+
+def test_a_spinning_receive_gets_what_comes_during_the_spin(ctx: zmq.Context, address: str) -> None:
+    """`spin_s` polls awake before sleeping: a message sent meanwhile is received, nothing
+    sent gives None once the spin and the rest of the timeout are over."""
+    import threading
+    import time
+
+    pull, bound = bind_socket(ctx, zmq.PULL, address)
+    push = connect_socket(ctx, zmq.PUSH, bound)
+    try:
+        sender = threading.Timer(0.05, lambda: send_msg(push, [b"late", b"frames"]))
+        sender.start()
+        start = time.perf_counter()
+        frames = recv_msg(pull, timeout_ms=TIMEOUT_MS, spin_s=1.0)
+        sender.join()
+        assert [bytes(f) for f in frames] == [b"late", b"frames"]
+        assert time.perf_counter() - start < 0.9  # returned when it came, not after the spin
+        start = time.perf_counter()
+        assert recv_msg(pull, timeout_ms=200, spin_s=0.05) is None
+        assert 0.15 < time.perf_counter() - start < 2.0
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+
+
+def test_only_cuda_engines_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minivllm import envs
+
+    assert envs.spin_wait_s("cpu") == 0.0
+    assert envs.spin_wait_s("cuda") == 0.003
+    monkeypatch.setenv("MINIVLLM_SPIN_WAIT_US", "0")
+    assert envs.spin_wait_s("cuda") == 0.0
