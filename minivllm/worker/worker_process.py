@@ -84,6 +84,7 @@ def serve(
     # leave before it exits (`transport.close_and_flush`)
     results = transport.connect_socket(zmq.Context(), zmq.PUSH, result_address)
     decoder = MsgDecoder(CORE_TO_WORKER, max_ids=config.model.max_model_len)
+    spin_s = envs.spin_wait_s(config.device.device)  # awake between steps, on CUDA
     # only the sender thread touches `results` (ZMQ sockets are not thread-safe)
     outbox: queue.Queue = queue.Queue()
     sender = threading.Thread(
@@ -96,8 +97,6 @@ def serve(
     def send_output(out: AsyncModelRunnerOutput | None) -> None:
         if out is not None:  # rank 0 answers
             send(out)
-
-    spin_s = envs.spin_wait_s(config.device.device)
 
     def recv():
         while True:
