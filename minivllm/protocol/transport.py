@@ -224,13 +224,12 @@ def recv_msg(
     that long without sleeping, so a message that comes soon finds the thread awake (see
     `envs.spin_wait_s`); the spin counts towards `timeout_ms`."""
     if spin_s:
-        start = time.perf_counter()
-        while True:
-            try:  # (the call hands the GIL to other threads while it looks)
-                return [frame.buffer for frame in sock.recv_multipart(zmq.NOBLOCK, copy=False)]
-            except zmq.Again:
-                if time.perf_counter() - start >= spin_s:
-                    break
+        end = time.perf_counter() + spin_s
+        # (each look hands the GIL to other threads while ZMQ checks the socket)
+        while (frames := recv_msg_nowait(sock)) is None and time.perf_counter() < end:
+            pass
+        if frames is not None:
+            return frames
         if timeout_ms is not None:
             timeout_ms = max(0, timeout_ms - int(1000 * spin_s))
     if timeout_ms is not None and not sock.poll(timeout_ms, zmq.POLLIN):
