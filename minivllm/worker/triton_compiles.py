@@ -20,9 +20,11 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -124,17 +126,39 @@ def build_ahead(forwards: Iterable[Callable[[], object]]) -> bool:
 @functools.cache
 def _can_compile_ahead() -> bool:
     """Triton's asynchronous compile mode and the two JIT methods `compile_ahead` wraps
-    (Triton 3.6's; they are not public API)."""
+    and its loader of C modules (Triton 3.6's; they are not public API)."""
     try:
-        from triton.runtime import _async_compile
+        from triton.runtime import _async_compile, build
         from triton.runtime.jit import JITFunction
     except ImportError:
         return False
     do_compile = getattr(JITFunction, "_do_compile", None)
     if do_compile is None or not hasattr(_async_compile, "AsyncCompileMode"):
         return False
+    if not callable(getattr(build, "_load_module_from_path", None)):
+        return False
     leading = list(inspect.signature(do_compile).parameters)[:4]
     return leading == ["self", "key", "signature", "device"]
+
+
+def loaded_one_at_a_time(
+    load: Callable[[str, str], ModuleType],
+) -> Callable[[str, str], SimpleNamespace]:
+    """Triton's loader of its small C modules (a launcher per kernel signature), safe on
+    the pool's threads: one load at a time, each returning a copy of the module's names.
+
+    Every launcher is a module named `__triton_launcher`. Python loads a file once; loading
+    it again returns the one module object of that name and sets its names to that file's,
+    so a thread reading `launch` right after its load can get another thread's launcher,
+    and a kernel then fails at its first launch ("function takes exactly 31 arguments (48
+    given)"). Its builds (the C compiles of a fresh machine) still run side by side."""
+    lock = threading.Lock()
+
+    def load_private(name: str, path: str) -> SimpleNamespace:
+        with lock:
+            return SimpleNamespace(**vars(load(name, path)))
+
+    return load_private
 
 
 @contextlib.contextmanager
@@ -146,10 +170,11 @@ def compile_ahead(max_workers: int | None = None) -> Iterator[None]:
     reads no device data (they are what CUDA graphs capture), never the sampler's. Only in a
     CUDA worker whose Triton has what it wraps: through `build_ahead`."""
     import torch
-    from triton.runtime import _async_compile
+    from triton.runtime import _async_compile, build
     from triton.runtime.jit import JITFunction
 
     launch, do_compile = JITFunction.run, JITFunction._do_compile
+    load_module = build._load_module_from_path
 
     def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         skip = not self.module.startswith(_ALWAYS_LAUNCHED)
@@ -172,6 +197,7 @@ def compile_ahead(max_workers: int | None = None) -> Iterator[None]:
     workers = max_workers or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
         JITFunction.run, JITFunction._do_compile = compile_only, compile_once
+        build._load_module_from_path = loaded_one_at_a_time(load_module)
         compiles._ahead = True
         try:
             with _async_compile.AsyncCompileMode(pool) as mode:
@@ -180,5 +206,6 @@ def compile_ahead(max_workers: int | None = None) -> Iterator[None]:
             list(pool.map(load, built))
         finally:
             JITFunction.run, JITFunction._do_compile = launch, do_compile
+            build._load_module_from_path = load_module
             compiles._ahead = False
             compiles.seconds += time.perf_counter() - start

@@ -113,3 +113,68 @@ def test_compile_ahead_builds_and_loads_every_variant_without_launching() -> Non
     assert len(cache) == 2 and all(k.module is not None for k in cache.values())  # loaded
     fill[(1,)](x, 3.0, N=64)
     assert x.sum().item() == 192
+
+
+def _same_named_modules(tmp_path) -> dict[str, str]:
+    """Two C extension modules of one name (as Triton's launchers all are), each in its own
+    directory, whose `launch()` says which file it came from: their paths."""
+    import subprocess
+    import sysconfig
+
+    paths = {}
+    for tag in ("A", "B"):
+        src = tmp_path / tag / "m.c"
+        src.parent.mkdir()
+        src.write_text(
+            "#include <Python.h>\n"
+            f'static PyObject* launch(PyObject* s, PyObject* a) {{ return PyUnicode_FromString("{tag}"); }}\n'
+            'static PyMethodDef M[] = {{"launch", launch, METH_VARARGS, ""}, {NULL, NULL, 0, NULL}};\n'
+            'static struct PyModuleDef D = {PyModuleDef_HEAD_INIT, "__launcher", NULL, -1, M};\n'
+            "PyMODINIT_FUNC PyInit___launcher(void) { return PyModule_Create(&D); }\n"
+        )
+        so = src.parent / f"__launcher{sysconfig.get_config_var('EXT_SUFFIX')}"
+        include = sysconfig.get_paths()["include"]
+        cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+        subprocess.run(
+            [cc, "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(so)], check=True
+        )
+        paths[tag] = str(so)
+    return paths
+
+
+def test_launchers_loaded_by_threads_keep_their_own_launch(tmp_path) -> None:
+    """Loading a module file again hands back the one module of that name with its names
+    set to that file's: a launcher read a moment after its load can be another's. The
+    loader compile_ahead's threads use returns each load's own names, whatever loads follow."""
+    import threading
+
+    from triton.runtime import build
+
+    from minivllm.worker.triton_compiles import loaded_one_at_a_time
+
+    paths = _same_named_modules(tmp_path)
+    raw = build._load_module_from_path
+    for p in paths.values():  # the first loads of each file
+        raw("__launcher", p)
+    a = raw("__launcher", paths["A"])
+    raw("__launcher", paths["B"])
+    assert a.launch() == "B"  # what a launcher read after another thread's load gets
+
+    load = loaded_one_at_a_time(raw)
+    a = load("__launcher", paths["A"])
+    load("__launcher", paths["B"])
+    assert a.launch() == "A"
+
+    wrong: list[str] = []
+
+    def loads(tag: str) -> None:
+        for _ in range(200):
+            if (got := load("__launcher", paths[tag]).launch()) != tag:
+                wrong.append(got)
+
+    threads = [threading.Thread(target=loads, args=("AB"[i % 2],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
