@@ -23,7 +23,8 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
     from minivllm.worker.ops.gemv import GemvConfig, gemv, gemv_config
 
     gen = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 64, 512), (2, 96, 1024), (4, 32, 768), (1, 4096, 1024)):
+    for m, n, k in ((1, 64, 512), (2, 96, 1024), (4, 32, 768), (1, 4096, 1024), (3, 32, 512),
+                    (4, 16, 2048)):  # fmt: skip
         cfg = gemv_config(n, k) if device == "cuda" else GemvConfig(4, 256, 4, 2)
         x = torch.randn(m, k, generator=gen).to(device, dtype)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
@@ -43,7 +44,8 @@ def check_fused_prologues(device: str, dtype: torch.dtype) -> None:
 
     gen = torch.Generator().manual_seed(1)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 1024, 1024), (1, 16, 256), (2, 8, 256)):
+    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 1024, 1024), (1, 16, 256), (2, 8, 256),
+                    (3, 16, 512), (4, 8, 256)):  # fmt: skip
         cfg = gemv_config(n, k) if device == "cuda" else GemvConfig(4, 256, 4, 2)
         x = torch.randn(m, k, generator=gen).to(device, dtype)
         res = torch.randn(m, k, generator=gen).to(device, dtype)
@@ -89,9 +91,9 @@ def counting_prologue_gemvs() -> Iterator[Counter]:
 
 
 def check_fused_linear_ops(device: str) -> None:
-    """rms_norm_linear and silu_mul_linear on bfloat16 layers: one row goes through one GEMV
-    with the prologue (the new residual written by it), equal to the norm or SiLU, then the
-    linear; two rows, a biased projection or a strided residual take the separate ops."""
+    """rms_norm_linear and silu_mul_linear on bfloat16 layers: one to four rows go through one
+    GEMV with the prologue (the new residual written by it), equal to the norm or SiLU, then
+    the linear; five rows, a biased projection or a strided residual take the separate ops."""
     from minivllm.worker.distributed.parallel_state import TPGroup
     from minivllm.worker.layers.fused import rms_norm_linear, silu_mul_linear
     from minivllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -120,7 +122,9 @@ def check_fused_linear_ops(device: str) -> None:
     # rows, projection, a strided residual, whether the GEMV takes it
     for rows, layer, strided, fused in (
         (1, proj, False, True),
-        (2, proj, False, False),
+        (2, proj, False, True),
+        (4, proj, False, True),
+        (5, proj, False, False),
         (1, biased, False, False),
         (1, proj, True, False),
     ):
@@ -145,13 +149,26 @@ def check_fused_linear_ops(device: str) -> None:
         close(got, torch.nn.functional.linear(normed.double(), layer.weight.double(), bias))
         assert got_residual is x
 
-    for rows in (1, 2):
+    for rows in (1, 3, 5):
         gate_up = rand(rows, 2 * k)
         want = silu_and_mul_torch(gate_up).double() @ down.weight.double().T
         with counting_prologue_gemvs() as calls:
             got = silu_mul_linear(gate_up, down)
-        assert calls["gemv_silu_mul"] == int(rows == 1), calls
+        assert calls["gemv_silu_mul"] == int(rows <= 4), calls
         close(got, want)
+
+
+def check_rows_taken(device: str) -> None:
+    """Several rows go to the GEMV only where K is small: for Qwen3-8B's layers cuBLAS is
+    faster from two rows on."""
+    from minivllm.worker.ops.gemv import MAX_ROWS_K, gpu_rows
+
+    def rows(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(m, k, dtype=dtype, device=device)
+
+    assert gpu_rows(rows(1, 4096), 4096) and gpu_rows(rows(4, MAX_ROWS_K), MAX_ROWS_K)
+    assert not gpu_rows(rows(2, 4096), 4096) and not gpu_rows(rows(5, 512), 512)
+    assert not gpu_rows(rows(1, 512, torch.float32), 512)
 
 
 @needs_triton
@@ -168,6 +185,7 @@ def test_gemv_gpu() -> None:
     check_gemv("cuda", torch.bfloat16)
     check_fused_prologues("cuda", torch.bfloat16)
     check_fused_linear_ops("cuda")
+    check_rows_taken("cuda")
     x = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
@@ -177,4 +195,5 @@ if __name__ == "__main__":
     check_gemv("cpu", torch.float32)
     check_fused_prologues("cpu", torch.float32)
     check_fused_linear_ops("cpu")
+    check_rows_taken("cpu")
     print("ok")
