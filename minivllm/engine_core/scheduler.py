@@ -63,23 +63,27 @@ class _NextStep:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     preempted: bool = False
 
-    def take(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
-        """Schedule `num_new` more tokens of `request`, the last `num_drafts` of them its
-        draft tokens; one whose known tokens all have KV after this step samples its next
+    def take(self, request: Request, num_new: int) -> None:
+        """Schedule `num_new` more tokens of `request` (its drafts among them, see
+        `take_drafts`); one whose known tokens all have KV after this step samples its next
         token (or verifies its drafts) in it."""
         self.num_scheduled[request.request_id] = num_new
         self.budget -= num_new
         request.num_computed_tokens += num_new
-        if request.spec_token_ids:  # (drafts the budget cut are dropped)
-            if num_drafts:
-                self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
-                request.num_drafts_in_flight = num_drafts
-            request.spec_token_ids = []
         if request.num_computed_tokens >= len(request.all_token_ids):
             request.num_output_placeholders += 1
             grammar = request.structured_output
             if grammar is not None and grammar.active:
                 self.structured.append(request.request_id)
+
+    def take_drafts(self, request: Request, num_drafts: int) -> None:
+        """Of the tokens `take` schedules next for a running request, the last `num_drafts`
+        are its first draft tokens, for this step to verify; the drafts the budget cut are
+        dropped. (A waiting request has no drafts: they are dropped when it is preempted.)"""
+        if num_drafts:
+            self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+            request.num_drafts_in_flight = num_drafts
+        request.spec_token_ids = []
 
 
 class Scheduler:
@@ -239,23 +243,26 @@ class Scheduler:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
         )  # fmt: skip
         take = step.take
-        # per-step constants (the loop runs per request per step); None / 0 skip their checks
+        # per-step constants (the loop runs per request per step); None / 0 skip their checks,
+        # and without a speculator no request has drafts
         rope_threshold, max_lookahead = self.config.long_rope_threshold, self.lookahead
+        speculating = self.spec is not None
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
             i += 1
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
-            if request.num_drafts_in_flight or (placeholders and request.spec_wanted):
+            if speculating and (
+                request.num_drafts_in_flight or (placeholders and request.spec_wanted)
+            ):
                 continue  # how many tokens its step in flight returns decides where it goes on
             num_pending = len(request.all_token_ids) + placeholders
             if placeholders and num_pending >= request.max_num_tokens:
                 continue  # the token in flight ends it by length: nothing more to compute
             num_known = num_pending - num_computed
-            num_new = min(
-                num_known + len(request.spec_token_ids), step.budget, max_len - num_computed
-            )
+            num_drafts = len(request.spec_token_ids) if speculating else 0
+            num_new = min(num_known + num_drafts, step.budget, max_len - num_computed)
             if num_new <= 0:
                 continue
             if rope_threshold is not None and self._outgrows_short_rope(
@@ -278,7 +285,9 @@ class Scheduler:
             cached_ids.append(request.request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(num_computed)
-            take(request, num_new, num_new - num_known if num_new > num_known else 0)
+            if num_drafts:
+                step.take_drafts(request, num_new - num_known if num_new > num_known else 0)
+            take(request, num_new)
 
     def _schedule_waiting(self, step: _NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks
