@@ -334,18 +334,14 @@ class Scheduler:
         """
         outputs: ClientOutputs = {}
         runner, spec = model_runner_output, self.spec
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        worker_drafts = runner.draft_token_ids
-        for i, (request_id, sampled) in enumerate(
-            zip(runner.req_ids, runner.sampled_token_ids, strict=True)
-        ):
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens  # empty: no drafts verified
+        for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
             request = self.requests.get(request_id)
             if request is None or not sampled:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            drafts = spec_tokens.get(request_id)
-            if drafts:
+            if spec_tokens and (drafts := spec_tokens.get(request_id)):
                 request.num_drafts_in_flight = 0
                 num_rejected = spec.verified(len(drafts), len(sampled))
                 if request.status == RequestStatus.RUNNING:  # (else preempted: recomputed)
@@ -366,17 +362,28 @@ class Scheduler:
                     request.status = RequestStatus.FINISHED_ERROR
                 else:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
-            if spec is not None and request.status == RequestStatus.RUNNING:
-                spec.propose(request, worker_drafts[i] if worker_drafts else [])
             out = self._make_output(request, new_token_ids)
             if request.status == RequestStatus.FINISHED_ERROR:
                 out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
             if request.events:
                 out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)
+        if spec is not None:
+            self._propose_drafts(runner)
         if runner.logprobs is not None or runner.prompt_logprobs:
             self.logprobs.attach(outputs.values(), runner, self.requests)
         return outputs
+
+    def _propose_drafts(self, runner: ModelRunnerOutput) -> None:
+        """Give each request still running that got tokens in this step the drafts its next
+        step verifies (the outputs of this step do not depend on them)."""
+        worker_drafts = runner.draft_token_ids
+        for i, (request_id, sampled) in enumerate(
+            zip(runner.req_ids, runner.sampled_token_ids, strict=True)
+        ):
+            request = self.requests.get(request_id)
+            if request is not None and sampled and request.status == RequestStatus.RUNNING:
+                self.spec.propose(request, worker_drafts[i] if worker_drafts else [])
 
     # ------------------------------------------------------------------ helpers
 
