@@ -179,8 +179,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, status)
-                out = self._make_output(request, [])
-                out.error = error
+                out = self._make_output(request, [], error)
                 outputs.setdefault(request.client_id, []).append(out)
         return outputs
 
@@ -356,15 +355,15 @@ class Scheduler:
             self.num_generated_tokens += num_new
             # the decoded message's list, which nothing else holds, unless a stop cut it
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
+            error = None
             grammar = request.structured_output
             if grammar is not None and not grammar.accept(new_token_ids):
+                error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
                 if request.status.is_finished:
                     request.status = RequestStatus.FINISHED_ERROR
                 else:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
-            out = self._make_output(request, new_token_ids)
-            if request.status == RequestStatus.FINISHED_ERROR:
-                out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
+            out = self._make_output(request, new_token_ids, error)
             if request.events:
                 out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)
@@ -455,11 +454,14 @@ class Scheduler:
             min_tokens_stop_ids=sorted(request.stop_token_ids) if params.min_tokens else [],
         )
 
-    def _make_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    def _make_output(
+        self, request: Request, new_token_ids: list[int], error: str | None = None
+    ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request.request_id,
             new_token_ids,
             FINISH_REASONS.get(request.status),
             request.stop_reason,
             max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
+            error,
         )
