@@ -457,11 +457,12 @@ class Scheduler:
     def _make_output(
         self, request: Request, new_token_ids: list[int], error: str | None = None
     ) -> EngineCoreOutput:
+        num_cached = request.num_cached_tokens  # -1 until it is first scheduled
         return EngineCoreOutput(
             request.request_id,
             new_token_ids,
             FINISH_REASONS.get(request.status),
             request.stop_reason,
-            max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
+            num_cached if num_cached >= 0 else 0,  # cheaper than max(), once per output
             error,
         )
