@@ -155,8 +155,17 @@ class KVCacheManager:
         are not enough free blocks.
         """
         request_id = request.request_id
-        hits = new_computed_blocks or ()
         req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is not None and self.sliding_window is None:
+            # most decode steps, settled without the work below: the new tokens fit the blocks
+            # the request holds (so it brings no prefix hit) and fill none that is not cached
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total + num_lookahead_tokens <= len(req_blocks) * self.block_size and (
+                not self.enable_caching
+                or num_total // self.block_size <= self.num_cached_blocks[request_id]
+            ):
+                return []
+        hits = new_computed_blocks or ()
         is_first = req_blocks is None
         if is_first:
             req_blocks = []

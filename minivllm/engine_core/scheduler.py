@@ -63,23 +63,27 @@ class _NextStep:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     preempted: bool = False
 
-    def take(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
-        """Schedule `num_new` more tokens of `request`, the last `num_drafts` of them its
-        draft tokens; one whose known tokens all have KV after this step samples its next
+    def take(self, request: Request, num_new: int) -> None:
+        """Schedule `num_new` more tokens of `request` (its drafts among them, see
+        `take_drafts`); one whose known tokens all have KV after this step samples its next
         token (or verifies its drafts) in it."""
         self.num_scheduled[request.request_id] = num_new
         self.budget -= num_new
         request.num_computed_tokens += num_new
-        if request.spec_token_ids:  # (drafts the budget cut are dropped)
-            if num_drafts:
-                self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
-                request.num_drafts_in_flight = num_drafts
-            request.spec_token_ids = []
         if request.num_computed_tokens >= len(request.all_token_ids):
             request.num_output_placeholders += 1
             grammar = request.structured_output
             if grammar is not None and grammar.active:
                 self.structured.append(request.request_id)
+
+    def take_drafts(self, request: Request, num_drafts: int) -> None:
+        """Of the tokens `take` schedules next for a running request, the last `num_drafts`
+        are its first draft tokens, for this step to verify; the drafts the budget cut are
+        dropped. (A waiting request has no drafts: they are dropped when it is preempted.)"""
+        if num_drafts:
+            self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+            request.num_drafts_in_flight = num_drafts
+        request.spec_token_ids = []
 
 
 class Scheduler:
@@ -175,8 +179,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, status)
-                out = self._make_output(request, [])
-                out.error = error
+                out = self._make_output(request, [], error)
                 outputs.setdefault(request.client_id, []).append(out)
         return outputs
 
@@ -239,23 +242,30 @@ class Scheduler:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
         )  # fmt: skip
         take = step.take
-        # per-step constants (the loop runs per request per step); None / 0 skip their checks
+        # per-step constants (the loop runs per request per step); None / 0 skip their checks,
+        # and without a speculator no request has drafts
         rope_threshold, max_lookahead = self.config.long_rope_threshold, self.lookahead
+        speculating = self.spec is not None
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
             i += 1
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
-            if request.num_drafts_in_flight or (placeholders and request.spec_wanted):
+            if speculating and (
+                request.num_drafts_in_flight or (placeholders and request.spec_wanted)
+            ):
                 continue  # how many tokens its step in flight returns decides where it goes on
             num_pending = len(request.all_token_ids) + placeholders
             if placeholders and num_pending >= request.max_num_tokens:
                 continue  # the token in flight ends it by length: nothing more to compute
             num_known = num_pending - num_computed
-            num_new = min(
-                num_known + len(request.spec_token_ids), step.budget, max_len - num_computed
-            )
+            num_drafts = len(request.spec_token_ids) if speculating else 0
+            num_new = num_known + num_drafts
+            # cut to the budget and max_len; most requests fit both, and this test is cheaper
+            # than a min() call for each
+            if num_new > step.budget or num_computed + num_new > max_len:
+                num_new = min(num_new, step.budget, max_len - num_computed)
             if num_new <= 0:
                 continue
             if rope_threshold is not None and self._outgrows_short_rope(
@@ -278,7 +288,9 @@ class Scheduler:
             cached_ids.append(request.request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(num_computed)
-            take(request, num_new, num_new - num_known if num_new > num_known else 0)
+            if num_drafts:
+                step.take_drafts(request, num_new - num_known if num_new > num_known else 0)
+            take(request, num_new)
 
     def _schedule_waiting(self, step: _NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks
@@ -325,18 +337,14 @@ class Scheduler:
         """
         outputs: ClientOutputs = {}
         runner, spec = model_runner_output, self.spec
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        worker_drafts = runner.draft_token_ids
-        for i, (request_id, sampled) in enumerate(
-            zip(runner.req_ids, runner.sampled_token_ids, strict=True)
-        ):
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens  # empty: no drafts verified
+        for request_id, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
             request = self.requests.get(request_id)
             if request is None or not sampled:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            drafts = spec_tokens.get(request_id)
-            if drafts:
+            if spec_tokens and (drafts := spec_tokens.get(request_id)):
                 request.num_drafts_in_flight = 0
                 num_rejected = spec.verified(len(drafts), len(sampled))
                 if request.status == RequestStatus.RUNNING:  # (else preempted: recomputed)
@@ -351,23 +359,34 @@ class Scheduler:
             self.num_generated_tokens += num_new
             # the decoded message's list, which nothing else holds, unless a stop cut it
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
+            error = None
             grammar = request.structured_output
             if grammar is not None and not grammar.accept(new_token_ids):
+                error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
                 if request.status.is_finished:
                     request.status = RequestStatus.FINISHED_ERROR
                 else:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
-            if spec is not None and request.status == RequestStatus.RUNNING:
-                spec.propose(request, worker_drafts[i] if worker_drafts else [])
-            out = self._make_output(request, new_token_ids)
-            if request.status == RequestStatus.FINISHED_ERROR:
-                out.error = f"structured_outputs: the grammar refused token {new_token_ids[-1]}"
+            out = self._make_output(request, new_token_ids, error)
             if request.events:
                 out.events = request.take_events()
             outputs.setdefault(request.client_id, []).append(out)
+        if spec is not None:
+            self._propose_drafts(runner)
         if runner.logprobs is not None or runner.prompt_logprobs:
             self.logprobs.attach(outputs.values(), runner, self.requests)
         return outputs
+
+    def _propose_drafts(self, runner: ModelRunnerOutput) -> None:
+        """Give each request still running that got tokens in this step the drafts its next
+        step verifies (the outputs of this step do not depend on them)."""
+        worker_drafts = runner.draft_token_ids
+        for i, (request_id, sampled) in enumerate(
+            zip(runner.req_ids, runner.sampled_token_ids, strict=True)
+        ):
+            request = self.requests.get(request_id)
+            if request is not None and sampled and request.status == RequestStatus.RUNNING:
+                self.spec.propose(request, worker_drafts[i] if worker_drafts else [])
 
     # ------------------------------------------------------------------ helpers
 
@@ -439,11 +458,15 @@ class Scheduler:
             min_tokens_stop_ids=sorted(request.stop_token_ids) if params.min_tokens else [],
         )
 
-    def _make_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    def _make_output(
+        self, request: Request, new_token_ids: list[int], error: str | None = None
+    ) -> EngineCoreOutput:
+        num_cached = request.num_cached_tokens  # -1 until it is first scheduled
         return EngineCoreOutput(
             request.request_id,
             new_token_ids,
             FINISH_REASONS.get(request.status),
             request.stop_reason,
-            max(request.num_cached_tokens, 0),  # -1 until it is first scheduled
+            num_cached if num_cached >= 0 else 0,  # cheaper than max(), once per output
+            error,
         )
