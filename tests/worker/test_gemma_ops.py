@@ -77,8 +77,8 @@ def _check_qk_norm_rope_offset(device: str, dtype: torch.dtype, rot: int) -> Non
 
 
 def check_gelu_prologue(device: str, dtype: torch.dtype) -> None:
-    """The GEMV's GELU prologue, and `gelu_tanh_mul_linear`, which runs it for one 16-bit row
-    and the separate ops otherwise."""
+    """The GEMV's GELU prologue, and `gelu_tanh_mul_linear`, which runs it for one to four
+    16-bit rows and the separate ops otherwise."""
     from minivllm.worker.distributed.parallel_state import TPGroup
     from minivllm.worker.layers import fused
     from minivllm.worker.layers.linear import RowParallelLinear
@@ -86,7 +86,7 @@ def check_gelu_prologue(device: str, dtype: torch.dtype) -> None:
 
     gen = torch.Generator().manual_seed(2)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 16, 256)):
+    for m, n, k in ((1, 64, 512), (2, 32, 1024), (1, 16, 256), (4, 16, 512)):
         cfg = gemv_config(n, k) if device == "cuda" else GemvConfig(4, 256, 4, 2)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
         gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
@@ -101,13 +101,13 @@ def check_gelu_prologue(device: str, dtype: torch.dtype) -> None:
     original = fused.gemv_gelu_tanh_mul
     fused.gemv_gelu_tanh_mul = lambda *a: launched.append(1) or original(*a)
     try:
-        for rows in (1, 2):
+        for rows in (1, 2, 5):
             launched.clear()
             gate_up = torch.randn(rows, 2 * k, generator=gen).to(device, bf16)
             want = gelu_tanh_and_mul_torch(gate_up).double() @ down.weight.double().T
             got = fused.gelu_tanh_mul_linear(gate_up, down)
             torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-            assert len(launched) == int(rows == 1)
+            assert len(launched) == int(rows <= 4)
     finally:
         fused.gemv_gelu_tanh_mul = original
 
@@ -181,6 +181,10 @@ def test_gemma_kernels_compile_for_hopper() -> None:
     gemv_sig |= {"res_ptr": "*bf16", "new_res_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"}
     consts = {"M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "PROLOGUE": 3, "HAS_RESIDUAL": False}
     compile_for_hopper(gemv._gemv_kernel, gemv_sig, consts | {"ONE_SLICE": False}, 8)
+    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": i32, "K": i32}
+    rows_sig |= {k: v for k, v in gemv_sig.items() if k not in rows_sig}
+    rows_consts = {k: v for k, v in consts.items() if k != "M"} | {"M_PAD": 4, "ONE_SLICE": False}
+    compile_for_hopper(gemv._gemv_rows_kernel, rows_sig, rows_consts, 8)
     rope_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16"}
     rope_sig |= {"cache_ptr": "*fp32", "pos_ptr": "*i64"}
     rope_sig |= dict.fromkeys(("stride_q_tok", "stride_q_head", "stride_k_tok"), i32)

@@ -25,6 +25,9 @@ def _kernels() -> dict:
     gemv_sig |= dict.fromkeys(("stride_xm", "stride_wn", "stride_om"), "i32")
     gemv_sig |= {"res_ptr": "*bf16", "new_res_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"}
     gemv_consts = {"M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_RESIDUAL": True}
+    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "K": "i32"}
+    rows_sig |= {k: v for k, v in gemv_sig.items() if k not in rows_sig}
+    rows_consts = {"M_PAD": 4, "BLOCK_N": 4, "BLOCK_K": 1024, "HAS_RESIDUAL": True}
     return {
         "add_rms_norm": (
             norm._rms_norm_kernel,
@@ -58,6 +61,18 @@ def _kernels() -> dict:
             gemv_consts | {"PROLOGUE": 1, "ONE_SLICE": True},
             8,
         ),
+        "gemv_rows_rms_norm": (
+            gemv._gemv_rows_kernel,
+            rows_sig,
+            rows_consts | {"PROLOGUE": 1, "ONE_SLICE": True},
+            8,
+        ),
+        "gemv_rows_silu_mul": (
+            gemv._gemv_rows_kernel,
+            rows_sig,
+            rows_consts | {"PROLOGUE": 2, "ONE_SLICE": False},
+            8,
+        ),
         "split_kv_merge": (
             triton_attention._merge_kernel,
             {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}
@@ -76,7 +91,16 @@ def _ptx(name: str, pdl: bool) -> str:
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize(
     "name",
-    ["add_rms_norm", "silu_mul", "gelu_mul", "gemv_silu_mul", "gemv_rms_norm", "split_kv_merge"],
+    [
+        "add_rms_norm",
+        "silu_mul",
+        "gelu_mul",
+        "gemv_silu_mul",
+        "gemv_rms_norm",
+        "gemv_rows_rms_norm",
+        "gemv_rows_silu_mul",
+        "split_kv_merge",
+    ],
 )
 def test_with_pdl_a_kernel_waits_and_lets_the_next_launch(name: str) -> None:
     ptx = _ptx(name, pdl=True)
