@@ -19,9 +19,9 @@ round what they store.
 Measured per Qwen3-0.6B layer on an H200 (qkv, o, gate_up and down with their prologues,
 against cuBLAS with the separate norm and SiLU kernels, CUDA graphs over 28 layers' weights):
 16 against 33 µs at one row, 22-27 against 32-36 at two to four, and 49 against 29-32 at
-five to eight rows (the register tile of eight rows spills). For Qwen3-8B's layers (K >= 4096)
-cuBLAS is as fast at one row and 1.5-2.6x faster at two to four, so the GEMV takes several
-rows only where K is at most MAX_ROWS_K.
+five to eight rows (the register tile of eight rows spills). For Qwen3-8B's layers
+(K >= 4096) cuBLAS is 3% faster at one row and 1.5-2.6x faster at two to four, so the GEMV
+takes several rows only where K is at most MAX_ROWS_K.
 
 `linear` is what the linear layers call: the GEMV for the rows it takes, cuBLAS (or the CPU)
 for anything else. The fused ops that run a prologue (`layers/fused.py`: `rms_norm_linear`,
@@ -192,7 +192,7 @@ def _gemv_rows_kernel(
         w = tl.load(w_ptrs)
         wait_for_producers(PDL)
         h = _rows_residual_slice(x_rows, res_rows, new_res_rows, 0, offs_k, m_mask, pid == 0,
-                            HAS_RESIDUAL)  # fmt: skip
+                                 HAS_RESIDUAL)  # fmt: skip
         x = _rows_scaled_slice(h, _rows_rstd(h, K, eps), nw_ptr, 0, offs_k)
         acc = w.to(tl.float32)[None, :, :] * x[:, None, :]
     else:
@@ -202,7 +202,7 @@ def _gemv_rows_kernel(
             ss = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 h = _rows_residual_slice(x_rows, res_rows, x_rows, k, offs_k, m_mask, False,
-                                    HAS_RESIDUAL).to(tl.float32)  # fmt: skip
+                                         HAS_RESIDUAL).to(tl.float32)  # fmt: skip
                 ss += h * h
             rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
         acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -210,7 +210,7 @@ def _gemv_rows_kernel(
             w = tl.load(w_ptrs + k)
             if PROLOGUE == 1:
                 h = _rows_residual_slice(x_rows, res_rows, new_res_rows, k, offs_k, m_mask,
-                                    pid == 0, HAS_RESIDUAL)  # fmt: skip
+                                         pid == 0, HAS_RESIDUAL)  # fmt: skip
                 x = _rows_scaled_slice(h, rstd, nw_ptr, k, offs_k)
             elif PROLOGUE == 2 or PROLOGUE == 3:
                 gate = tl.load(x_rows + k + offs_k[None, :], mask=m_mask, other=0.0)
