@@ -73,7 +73,8 @@ def _residual_slice(x_row, res_row, new_res_row, k, offs_k, write_res, HAS_RESID
 
 @triton.jit
 def _scaled_slice(h, rstd, nw_ptr, k, offs_k):
-    """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot."""
+    """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot
+    (of several rows: h [M_PAD, BLOCK_K] and each row's rstd, [M_PAD, 1])."""
     return rms_scale(h, rstd, tl.load(nw_ptr + k + offs_k)).to(h.dtype).to(tl.float32)
 
 
@@ -152,21 +153,6 @@ def _rows_residual_slice(
 
 
 @triton.jit
-def _rows_scaled_slice(h, rstd, nw_ptr, k, offs_k):
-    """RMSNorm's output over one K slice as ops/norm.py rounds it, in float32 for the dot;
-    `rstd` is each row's, [M_PAD]."""
-    w = tl.load(nw_ptr + k + offs_k)
-    return rms_scale(h, rstd[:, None], w[None, :]).to(h.dtype).to(tl.float32)
-
-
-@triton.jit
-def _rows_rstd(h, K, eps):
-    """Each row's 1 / sqrt(mean(h^2) + eps) for rows held whole, [M_PAD]."""
-    hf = h.to(tl.float32)
-    return tl.rsqrt(tl.sum(hf * hf, 1) / K + eps)
-
-
-@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, out_ptr, M, K, stride_xm, stride_wn, stride_om,
     res_ptr, new_res_ptr, nw_ptr, eps,
@@ -193,7 +179,7 @@ def _gemv_rows_kernel(
         wait_for_producers(PDL)
         h = _rows_residual_slice(x_rows, res_rows, new_res_rows, 0, offs_k, m_mask, pid == 0,
                                  HAS_RESIDUAL)  # fmt: skip
-        x = _rows_scaled_slice(h, _rows_rstd(h, K, eps), nw_ptr, 0, offs_k)
+        x = _scaled_slice(h, row_rstd(h, K, eps)[:, None], nw_ptr, 0, offs_k)
         acc = w.to(tl.float32)[None, :, :] * x[:, None, :]
     else:
         wait_for_producers(PDL)
@@ -211,7 +197,7 @@ def _gemv_rows_kernel(
             if PROLOGUE == 1:
                 h = _rows_residual_slice(x_rows, res_rows, new_res_rows, k, offs_k, m_mask,
                                          pid == 0, HAS_RESIDUAL)  # fmt: skip
-                x = _rows_scaled_slice(h, rstd, nw_ptr, k, offs_k)
+                x = _scaled_slice(h, rstd[:, None], nw_ptr, k, offs_k)
             elif PROLOGUE == 2 or PROLOGUE == 3:
                 gate = tl.load(x_rows + k + offs_k[None, :], mask=m_mask, other=0.0)
                 up = tl.load(x_rows + K + k + offs_k[None, :], mask=m_mask, other=0.0)

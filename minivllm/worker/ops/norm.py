@@ -27,9 +27,10 @@ def add_residual(x, res):
 
 @triton.jit
 def row_rstd(x, n_cols, eps):
-    """1 / sqrt(mean(x^2) + eps) over a row held whole (masked lanes zero), in float32."""
+    """1 / sqrt(mean(x^2) + eps) over a row held whole (masked lanes zero), in float32; for
+    rows [M, n_cols], each row's, [M]."""
     xf = x.to(tl.float32)
-    return tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    return tl.rsqrt(tl.sum(xf * xf, -1) / n_cols + eps)
 
 
 @triton.jit
