@@ -28,17 +28,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import msgspec
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine_core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.engine_core.next_step import NextStep
 from minivllm.engine_core.output_logprobs import OutputLogprobs, needs_prompt_logprobs
 from minivllm.engine_core.request import FINISH_REASONS, Request, RequestStatus
 from minivllm.engine_core.speculator import Speculator
 from minivllm.protocol.messages import (
-    CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -49,41 +48,6 @@ from minivllm.protocol.messages import (
 from minivllm.speculative_config import SpeculativeConfig
 
 ClientOutputs = dict[int, list[EngineCoreOutput]]
-
-
-@dataclass(slots=True)
-class _NextStep:
-    """The step `Scheduler.schedule` is filling."""
-
-    budget: int  # tokens left to hand out
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    structured: list[str] = field(default_factory=list)  # sample under a grammar
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
-    preempted: bool = False
-
-    def take(self, request: Request, num_new: int) -> None:
-        """Schedule `num_new` more tokens of `request` (its drafts among them, see
-        `take_drafts`); one whose known tokens all have KV after this step samples its next
-        token (or verifies its drafts) in it."""
-        self.num_scheduled[request.request_id] = num_new
-        self.budget -= num_new
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens >= len(request.all_token_ids):
-            request.num_output_placeholders += 1
-            grammar = request.structured_output
-            if grammar is not None and grammar.active:
-                self.structured.append(request.request_id)
-
-    def take_drafts(self, request: Request, num_drafts: int) -> None:
-        """Of the tokens `take` schedules next for a running request, the last `num_drafts`
-        are its first draft tokens, for this step to verify; the drafts the budget cut are
-        dropped. (A waiting request has no drafts: they are dropped when it is preempted.)"""
-        if num_drafts:
-            self.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
-            request.num_drafts_in_flight = num_drafts
-        request.spec_token_ids = []
 
 
 class Scheduler:
@@ -206,7 +170,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The next step: running requests first, then waiting ones, in one token budget."""
-        step = _NextStep(self.config.max_num_batched_tokens)
+        step = NextStep(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         # a step that had to preempt has no room to spare for newcomers
         if not step.preempted:
@@ -233,7 +197,7 @@ class Scheduler:
         self.step_id += 1
         return output
 
-    def _schedule_running(self, step: _NextStep) -> None:
+    def _schedule_running(self, step: NextStep) -> None:
         """Each running request's next tokens (a decode's one and its drafts, a long
         prompt's next chunk), preempting the newest running requests while blocks run out."""
         kv, running, max_len = self.kv_cache_manager, self.running, self.max_len
@@ -292,7 +256,7 @@ class Scheduler:
                 step.take_drafts(request, num_new - num_known if num_new > num_known else 0)
             take(request, num_new)
 
-    def _schedule_waiting(self, step: _NextStep) -> None:
+    def _schedule_waiting(self, step: NextStep) -> None:
         """Waiting requests in order, while the budget, the sequence count and the blocks
         allow; the prefix cache serves what it holds of each prompt."""
         kv, waiting = self.kv_cache_manager, self.waiting
