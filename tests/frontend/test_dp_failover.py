@@ -28,16 +28,16 @@ def _output(rid: str, tokens: list[int], finished: bool = False) -> EngineCoreOu
 def test_a_dead_cores_requests_move_with_the_tokens_streamed_so_far() -> None:
     failover = Failover(limit=2, num_engines=3)
     failover.track([_request("a"), _request("b"), _request("done")])
-    failover.record(_output("a", [7, 8]))
-    failover.record(_output("a", [9]))
-    failover.record(_output("done", [5], finished=True))
+    failover.record([_output("a", [7, 8])])
+    failover.record([_output("a", [9])])
+    failover.record([_output("done", [5], finished=True)])
     moves, failed, _ = failover.take_lost(1, ["a", "b"])
     assert [(m.request_id, m.output_token_ids) for m in moves] == [("a", [7, 8, 9]), ("b", [])]
     assert moves[0].sampling_params == _request("a").sampling_params
     assert failed == []
     # what the second core says of a moved request: its tokens, not its own prompt's cache
     later = _output("a", [10])
-    failover.record(later)
+    failover.record([later])
     assert later.num_cached_tokens == 0
     moves, failed, why = failover.take_lost(2, ["a", "b"])
     assert failed == ["a", "b"] and moves == []

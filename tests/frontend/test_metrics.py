@@ -243,3 +243,19 @@ def test_api_processes_report_failover_and_speculation_once(tmp_path) -> None:
         assert [samples[(per_pos, "0", str(i))] for i in range(2)] == [11, 6]
     failover[0].moved[1] += 4  # a scrape reads its own process's counts as they are now
     assert scrape(loggers[0])[("vllm:engine_core_requests_moved_total", "1", None)] == 9
+
+
+def test_a_histogram_counts_a_batch_as_each_value_alone() -> None:
+    from minivllm.frontend.metrics.series import Histogram
+    from minivllm.frontend.metrics.shared_values import MetricValues
+
+    observed = [0.02, 0.02, 0.02, 0.3, 0.3, 0.02, 7.0, 100.0, 0.0]  # runs, a repeat, the ends
+    one, batch = MetricValues(), MetricValues()
+    by_one = Histogram("h", "", {}, (0.01, 0.05, 0.5, 10.0), one)
+    by_batch = Histogram("h", "", {}, (0.01, 0.05, 0.5, 10.0), batch)
+    for value in observed:
+        by_one.observe(value)
+    by_batch.observe_all(observed)
+    by_batch.observe_all([])
+    assert one.combined().tolist() == batch.combined().tolist()
+    assert batch.combined()[by_batch.first : by_batch.sum_index].tolist() == [1, 4, 2, 1, 1]

@@ -75,19 +75,24 @@ class Failover:
             for r in requests:
                 self.requests[r.request_id] = _Tracked(r)
 
-    def record(self, out: EngineCoreOutput) -> None:
-        """One output on its way to the output processor: its tokens are the request's
-        from now on. A moved request's outputs leave out what only its first engine-core
-        could say (its prompt's cache hits, its queueing events)."""
-        tracked = self.requests.get(out.request_id)
-        if tracked is None:
+    def record(self, outputs: list[EngineCoreOutput]) -> None:
+        """One batch of outputs on its way to the output processor: their tokens are their
+        requests' from now on. A moved request's outputs leave out what only its first
+        engine-core could say (its prompt's cache hits, its queueing events)."""
+        requests, moved = self.requests, self.moved
+        if not requests:  # failover is off, or nothing is unfinished
             return
-        tracked.output_token_ids += out.new_token_ids
-        if out.request_id in self.moved:
-            out.num_cached_tokens = 0  # the output processor keeps the first core's count
-            out.events = None
-        if out.finish_reason is not None:
-            self.forget([out.request_id])
+        for out in outputs:
+            tracked = requests.get(out.request_id)
+            if tracked is None:
+                continue
+            tracked.output_token_ids += out.new_token_ids
+            if moved and out.request_id in moved:
+                out.num_cached_tokens = 0  # the output processor keeps the first core's count
+                out.events = None
+            if out.finish_reason is not None:
+                del requests[out.request_id]
+                moved.discard(out.request_id)
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests that ended (finished, aborted or failed)."""

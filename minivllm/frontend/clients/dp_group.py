@@ -16,6 +16,7 @@ out; anything later from it is dropped, so no token is repeated or missing. With
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Self
 
 from minivllm.config import EngineConfig, ModelConfig
@@ -38,6 +39,9 @@ DEFAULT_FAILOVER_LIMIT = 2
 # counters of SchedulerStats that only grow: a dead core's last values stay in the sums
 _CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 _CUMULATIVE += ("step_counter", "num_generated_tokens")
+# the merged scheduler stats go on with a core's output at most this often (and whenever a
+# core reports itself idle); the merge costs more than a small output batch's handling
+STATS_MERGE_INTERVAL_S = 0.05
 
 
 class EngineCoreGroup:
@@ -64,6 +68,7 @@ class EngineCoreGroup:
         self.output_tokens = [0] * len(clients)
         self.latest_stats: list[SchedulerStats | None] = [None] * len(clients)
         self.retired = SchedulerStats()  # the cumulative counters of cores that died
+        self._next_merge = 0.0  # time.monotonic() from which the next batch carries a merge
 
     @classmethod
     def start(cls, config: EngineConfig) -> Self:
@@ -97,23 +102,37 @@ class EngineCoreGroup:
 
     def _account(self, engine: int, out: EngineCoreOutputs) -> None:
         """Learn from one output batch of `engine` before it is handed on: its tokens (for
-        failover), its scheduler stats replaced by the whole engine's (every live core's
-        latest, merged, plus the counters of the dead), so that metrics read one engine
-        however many cores serve."""
-        if out.scheduler_stats is not None:
-            self.router.update_stats(engine, out.scheduler_stats)
-            self.latest_stats[engine] = out.scheduler_stats
-            live = [s for e, s in enumerate(self.latest_stats) if e not in self.router.dead]
-            merged = merge_scheduler_stats([s for s in live if s is not None] + [self.retired])
-            merged.kv_cache_usage = sum(s.kv_cache_usage for s in live if s) / len(live)
-            out.scheduler_stats = merged
-        failover, router, produced = self.failover, self.router, 0
-        for o in out.outputs:
+        failover) and its load (for routing). Its scheduler stats are replaced by the whole
+        engine's (every live core's latest, merged, plus the counters of the dead), so that
+        metrics read one engine however many cores serve; between merges (each
+        `STATS_MERGE_INTERVAL_S`, and whenever a core reports itself idle) a batch carries
+        none: the counters are cumulative and the gauges latest, so nothing is lost."""
+        stats = out.scheduler_stats
+        if stats is not None:
+            self.router.update_stats(engine, stats)
+            self.latest_stats[engine] = stats
+            now = time.monotonic()
+            if now >= self._next_merge or not (stats.num_running or stats.num_waiting):
+                self._next_merge = now + STATS_MERGE_INTERVAL_S
+                out.scheduler_stats = self.merged_stats()
+            else:
+                out.scheduler_stats = None
+        outputs = out.outputs
+        self.failover.record(outputs)
+        router, produced = self.router, 0
+        for o in outputs:
             produced += len(o.new_token_ids)
-            failover.record(o)
             if o.finish_reason is not None:
                 router.finished(o.request_id)
         self.output_tokens[engine] += produced
+
+    def merged_stats(self) -> SchedulerStats:
+        """The whole engine's scheduler stats: every live core's latest report merged, plus
+        the cumulative counters of the cores that died."""
+        live = [s for e, s in enumerate(self.latest_stats) if e not in self.router.dead]
+        merged = merge_scheduler_stats([s for s in live if s is not None] + [self.retired])
+        merged.kv_cache_usage = sum(s.kv_cache_usage for s in live if s) / max(len(live), 1)
+        return merged
 
     def _is_current(self, engine: int, client: _MPClient) -> bool:
         """Whether outputs read from `client` are still to be delivered: once its core is

@@ -372,8 +372,7 @@ class PrometheusStatLogger:
         if computed or it.num_generation_tokens:
             self.iteration_tokens.observe(computed + it.num_generation_tokens)
         for field, histogram in self.per_iteration.items():
-            for value in getattr(it, field):
-                histogram.observe(value)
+            histogram.observe_all(getattr(it, field))
         for req in it.finished_requests:
             self.request_success.child(req.finish_reason).inc()
             self.prefill_kv_computed.observe(req.num_prompt_tokens - req.num_cached_tokens)

@@ -98,6 +98,22 @@ class Histogram:
         values[self.first + bisect.bisect_left(self.bounds, value)] += 1
         values[self.sum_index] += value
 
+    def observe_all(self, observed: list[float]) -> None:
+        """`observe` each value; a run of equal values (a step's inter-token latencies,
+        mostly) is counted into its bucket at once."""
+        values, bounds, first = self.values, self.bounds, self.first
+        run_value, run = 0.0, 0
+        for value in observed:
+            if value == run_value and run:
+                run += 1
+                continue
+            if run:
+                values[first + bisect.bisect_left(bounds, run_value)] += run
+            run_value, run = value, 1
+        if run:
+            values[first + bisect.bisect_left(bounds, run_value)] += run
+            values[self.sum_index] += sum(observed)
+
     def collect(self, values: np.ndarray) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
         counts = values[self.first : self.sum_index].tolist()
