@@ -133,6 +133,8 @@ KV_VARIANTS = {  # name -> (fp8 cache, backend knobs)
     "fp8 KV, bf16 dots": (True, {"fp8_dot_f16": False}),
     "fp8 KV, 256-key tiles": (True, {"decode_block_n": 256}),
     "fp8 KV, 4 stages": (True, {"decode_stages": 4}),
+    "fp8 KV, uncapped registers": (True, {"decode_maxnreg": 0}),
+    "fp8 KV, at most 128 registers, 2 stages": (True, {"decode_maxnreg": 128, "decode_stages": 2}),
 }
 
 

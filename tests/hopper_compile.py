@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def compile_for_hopper(kernel: Any, signature: dict, constants: dict, num_warps: int) -> Any:
+def compile_for_hopper(
+    kernel: Any, signature: dict, constants: dict, num_warps: int, **options: Any
+) -> Any:
     """kernel for sm_90, every pointer (and tuple of pointers) 16-byte aligned and the ints
     named n_cols or stride_* specialised as multiples of 16. `signature` maps each runtime
     argument to its Triton type (a tuple of types for a tuple argument); `constants` gives
-    the constexprs."""
+    the constexprs; `options` more of the launch's compile options (`maxnreg`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -26,5 +28,5 @@ def compile_for_hopper(kernel: Any, signature: dict, constants: dict, num_warps:
     return triton.compile(
         ASTSource(kernel, signature, constants, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps},
+        options={"num_warps": num_warps, **options},
     )

@@ -24,7 +24,9 @@ def _i32(*names: str) -> dict:
     return dict.fromkeys(names, "i32")
 
 
-def _attention(kind: str, fp8: bool, cascade: bool = False, window: int = 0) -> str:
+def _attention(
+    kind: str, fp8: bool, cascade: bool = False, window: int = 0, maxnreg: int | None = None
+) -> str:
     """PTX of the decode, cascade-prefix or prefill kernel at Qwen3-0.6B's head shapes."""
     import triton.language as tl
 
@@ -57,7 +59,8 @@ def _attention(kind: str, fp8: bool, cascade: bool = False, window: int = 0) -> 
         sig |= _i32("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head")
         sig |= _i32("stride_bt") | CACHE_STRIDES
         consts |= dict(BLOCK_M=64, BLOCK_N=64, WINDOW=window)
-    return compile_for_hopper(kernel, sig, consts, 4).asm["ptx"]
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return compile_for_hopper(kernel, sig, consts, 4, **options).asm["ptx"]
 
 
 @pytest.mark.parametrize(
@@ -70,6 +73,16 @@ def test_attention_kernels_dequantize_in_registers(kind: str, cascade: bool) -> 
     assert DEQUANT in ptx and re.search(r"mma\.\S*f32\.f16\.f16", ptx)
     assert "cvt.bf16.f16" not in ptx  # no detour through bfloat16
     assert DEQUANT not in _attention(kind, fp8=False, cascade=cascade)
+
+
+def test_fp8_decode_kernel_compiles_under_its_register_cap() -> None:
+    """The FP8 decode kernel is launched with at most FP8_DECODE_MAXNREG registers a thread
+    (three programs per SM instead of two): the cap reaches the compiled kernel."""
+    from minivllm.worker.attention.triton_attention import FP8_DECODE_MAXNREG
+
+    ptx = _attention("decode", fp8=True, maxnreg=FP8_DECODE_MAXNREG)
+    assert f".maxnreg {FP8_DECODE_MAXNREG}" in ptx and DEQUANT in ptx
+    assert ".maxnreg" not in _attention("decode", fp8=True)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -30,7 +30,11 @@ is legal during capture (it comes from the graph's memory pool).
 
 An FP8 cache (ops/kv_cache.py) is dequantized in registers: keys and values are converted to
 the query's dtype as they are loaded, the key scale is folded into the softmax scale and the
-value scale into the final normalisation.
+value scale into the final normalisation. The conversions take registers: the decode kernel
+over FP8 keys of 128 dims needs 202 a thread and fits two programs per SM, latency-bound.
+Capped at `FP8_DECODE_MAXNREG` (three programs per SM, as shared memory allows) it took 126
+µs instead of 143 for 256 sequences of ~600 tokens on an H200 (bf16: 165 µs); a cap of 128
+with fewer stages or smaller tiles, or eight warps, were slower.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from minivllm.worker.ops._triton import next_power_of_2, pdl, tl, triton, wait_f
 from minivllm.worker.ops.kv_cache import FP8, kv_scale_arg, load_kv_scales, store_kv_cache
 
 LOG2E = 1.4426950408889634
+FP8_DECODE_MAXNREG = 168  # registers a thread of the FP8 decode kernel (head_dim <= 128)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -236,8 +241,9 @@ class TritonAttentionBackend:
     """Paged attention on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
 
     Knobs for benchmarks: `num_splits` forces the decode split count (by default
-    `num_decode_splits`); `decode_block_n` and `decode_stages` the decode kernel's key tile
-    and pipeline depth; `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a
+    `num_decode_splits`); `decode_block_n`, `decode_stages`, `decode_warps` and
+    `decode_maxnreg` the decode kernel's key tile, pipeline depth, warps and register cap
+    (0: none); `fp8_dot_f16=False` keeps an FP8 cache's dots in bfloat16 for a
     bfloat16 model.
 
     Dense prefill through torch's FlashAttention-2 `varlen_attn` was measured against the
@@ -253,10 +259,14 @@ class TritonAttentionBackend:
         decode_block_n: int | None = None,
         decode_stages: int | None = None,
         fp8_dot_f16: bool = True,
+        decode_warps: int | None = None,
+        decode_maxnreg: int | None = None,
     ) -> None:
         self.num_splits = num_splits
         self.decode_block_n = decode_block_n
         self.decode_stages = decode_stages
+        self.decode_warps = decode_warps
+        self.decode_maxnreg = decode_maxnreg
         self.fp8_dot_f16 = fp8_dot_f16
 
     def forward(
@@ -348,6 +358,10 @@ class TritonAttentionBackend:
         cache_strides = kv_cache.stride()[:4]
         block_n = self.decode_block_n or (128 if wide and head_dim <= 128 else 64)
         gqa = common["GQA"]
+        maxnreg = self.decode_maxnreg
+        if maxnreg is None and common["FP8"] and wide and head_dim <= 128 and block_n == 128:
+            maxnreg = FP8_DECODE_MAXNREG
+        cap = {"maxnreg": maxnreg} if maxnreg else {}
         _decode_kernel[(nd * num_kv_heads * splits,)](
             q, kv_cache, meta.block_table, meta.seq_lens,
             meta.seq_lens if order is None else order, out, part_out, part_lse, kv_scale,
@@ -355,8 +369,8 @@ class TritonAttentionBackend:
             meta.block_table.stride(0), *cache_strides,
             BLOCK_G=max(16, next_power_of_2(gqa)), BLOCK_N=block_n, NUM_SPLITS=splits,
             NUM_PARTS=num_parts, NUM_KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
-            CASCADE=cascade, WINDOW=window, num_warps=4,
-            num_stages=self.decode_stages or (3 if wide else 2), **common,
+            CASCADE=cascade, WINDOW=window, num_warps=self.decode_warps or 4,
+            num_stages=self.decode_stages or (3 if wide else 2), **common, **cap,
         )  # fmt: skip
         if cascade:
             _cascade_prefix_kernel[(num_kv_heads, prefix_tiles, prefix_splits)](
