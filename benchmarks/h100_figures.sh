@@ -48,14 +48,20 @@ for step in "${STEPS[@]}"; do
     startup) run startup 300 env MINIVLLM_LOG_LEVEL=DEBUG $S/startup_profile.py --no-phases \
         --ready-runs 3 --out "$OUT/startup" ;;
     first-batch) run first-batch 300 $B throughput --num-runs 3 ;;
-    gpu-suite)  # every GPU test in one call: four pytest workers on the one GPU (each test's
-        # engine has a fixed KV cache, so they fit side by side, and a fresh host's Triton
-        # builds run in parallel; an idle worker takes tests from a busy one, not whole
-        # files), then the data-parallel test, which profiles the GPU's
-        # memory, alone. -v: each outcome is in the log as it ends, even if the call is cut.
+    gpu-suite)  # every GPU test in one call: four pytest workers ($GPU_TEST_WORKERS) on
+        # the one GPU (each test's engine has a fixed KV cache, so they fit side by side,
+        # and a fresh host's Triton builds run in parallel; an idle worker takes tests from
+        # a busy one, not whole files), then the data-parallel test, which profiles the
+        # GPU's memory, alone. -v: each outcome is in the log as it ends, even if the call
+        # is cut.
         # Modules whose client packages (openai, ray) a GPU host lacks hold no GPU test.
+        # The workers share the host's cores: each one's torch gets its share of threads
+        # (transformers' CPU references ran 16 threads in each of 6 workers on 16 cores,
+        # and one fp32 MoE reference passed pytest's 300 s timeout).
         export MINIVLLM_TEST_FAILURES=$OUT/test_failures.txt  # each failure as it happens
-        BUDGET_S=590 run gpu-suite 480 python -m pytest -v -m gpu -p no:cacheprovider -n 4 \
+        workers=${GPU_TEST_WORKERS:-4}
+        OMP_NUM_THREADS=$(( $(nproc) / workers > 1 ? $(nproc) / workers : 1 )) \
+        BUDGET_S=590 run gpu-suite 480 python -m pytest -v -m gpu -p no:cacheprovider -n "$workers" \
             --dist worksteal --tb=short --durations=25 --continue-on-collection-errors \
             --ignore tests/e2e/test_data_parallel.py tests
         BUDGET_S=590 run gpu-suite-dp 100 python -m pytest -v -m gpu -p no:cacheprovider \
