@@ -114,7 +114,7 @@ class EngineCoreGroup:
             now = time.monotonic()
             if now >= self._next_merge or not (stats.num_running or stats.num_waiting):
                 self._next_merge = now + STATS_MERGE_INTERVAL_S
-                out.scheduler_stats = self.merged_stats()
+                out.scheduler_stats = self._merged_stats()
             else:
                 out.scheduler_stats = None
         outputs = out.outputs
@@ -126,7 +126,7 @@ class EngineCoreGroup:
                 router.finished(o.request_id)
         self.output_tokens[engine] += produced
 
-    def merged_stats(self) -> SchedulerStats:
+    def _merged_stats(self) -> SchedulerStats:
         """The whole engine's scheduler stats: every live core's latest report merged, plus
         the cumulative counters of the cores that died."""
         live = [s for e, s in enumerate(self.latest_stats) if e not in self.router.dead]
